@@ -1,0 +1,4 @@
+"""hivemind_accum: hivemind gradient accumulation as cheap as native PyTorch accumulation."""
+from hivemind_accum.optim import GradientAverager, Optimizer, PowerSGDGradientAverager
+
+__version__ = "0.1.0"

@@ -1,0 +1,207 @@
+"""
+A drop-in replacement for :class:`hivemind.optim.grad_averager.GradientAverager` whose no-sync step costs a
+constant number of fused operations (exact mode) or no tensor work at all (in-place mode).
+
+How a gradient travels, in three files:
+
+1. ``loss.backward()`` writes ``param.grad`` (autograd).
+2. :meth:`GradientAverager.accumulate_grads_` (this file) adds it into a flat on-device accumulator
+   (:mod:`hivemind_accum.optim.grad_buckets`), or, in in-place mode, autograd already did so because ``param.grad``
+   *is* a view of that accumulator.
+3. :meth:`GradientAverager.load_accumulators_into_averager_` (this file) moves each accumulator, scaled by
+   ``1 / micro_steps``, into the averager's shared CPU buffers in one bulk op per bucket; upstream's
+   :class:`hivemind.averaging.DecentralizedAverager` all-reduces those buffers with peers.
+"""
+import warnings
+from typing import Iterable, Iterator, Optional, Sequence
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.dht import DHT
+from hivemind.optim import grad_averager as upstream
+from hivemind.utils import get_logger
+
+from hivemind_accum.optim.grad_buckets import GradientBuckets
+
+logger = get_logger(__name__)
+
+
+class GradientAverager(upstream.GradientAverager):
+    """
+    Accumulates gradients in persistent flat on-device buffers and aggregates them with peers.
+
+    Same constructor, methods and attributes as :class:`hivemind.optim.grad_averager.GradientAverager` (which it
+    subclasses), with two accumulation modes:
+
+    - exact (``reuse_grad_buffers=False``, default): the accumulators, averaged gradients and averaging weight are
+      the ones upstream computes (micro-step ``i`` of batch size ``b_i`` adds ``(b_i / b_0) * grad``; averaging
+      divides by the number of micro-steps ``K``). The user may read, clip or zero ``.grad`` freely between
+      ``backward()`` and ``accumulate_grads_``. Each micro-step costs one fused ``_foreach_add_`` per
+      (device, dtype) bucket, with no allocation and no host synchronization.
+    - in place (``reuse_grad_buffers=True``): every ``param.grad`` is a view of the accumulator, so autograd
+      accumulates in place, as in native PyTorch accumulation; see ``accumulate_grads_`` for what happens when a
+      ``.grad`` is set to None or replaced. Every micro-step counts equally (the sum over micro-steps divided by
+      ``K``), as native accumulation of a mean loss does; if batch sizes differ, a warning says so once.
+
+    :param parameters: pytorch parameters for which to aggregate gradients: dense float tensors on any devices and
+      dtypes; the accumulators form one flat buffer per (device, dtype) group
+    :param dht: a DHT instance connected to the rest of the swarm. See hivemind.DHT docs
+    :param prefix: a unique DHT key used for matchmaking, e.g. your experiment name with optional suffixes
+    :param reuse_grad_buffers: if True, in-place mode: ``param.grad`` become views of the accumulators
+    :param accumulate_grads_on: if specified, place the accumulators on this device (e.g. ``"cpu"`` to save device
+      memory; each micro-step then copies gradients into a persistent staging buffer there). By default each
+      accumulator lives on its parameters' device. Ignored (with a warning) if ``reuse_grad_buffers=True``.
+    :param client_mode: if False, this averager will accept incoming requests from other peers; by default, this
+      flag is copied from DHTNode inside the ``dht`` instance
+    :param warn: if True, warn when the averager did not reset accumulators after use or did not use averaging results
+    :param averaged_grads: if provided, the tensors to all-reduce: one per parameter, of the parameter's shape, on
+      CPU. By default, one flat shared-memory CPU buffer per bucket, cut into per-parameter views.
+    :param kwargs: see DecentralizedAverager keyword arguments for additional parameters
+    :raises ValueError: naming the parameter, for an empty or invalid ``parameters`` or a wrong ``averaged_grads``
+    """
+
+    def __init__(
+        self,
+        parameters: Iterable[torch.nn.Parameter],
+        *,
+        dht: DHT,
+        prefix: str,
+        reuse_grad_buffers: bool = False,
+        accumulate_grads_on: Optional[torch.device] = None,
+        client_mode: bool = None,
+        warn: bool = True,
+        averaged_grads: Sequence[torch.Tensor] = (),
+        **kwargs,
+    ):
+        if reuse_grad_buffers and accumulate_grads_on is not None:
+            logger.warning("Setting 'accumulate_grads_on' has no effect if reuse_grad_buffers=True")
+            accumulate_grads_on = None
+        client_mode = client_mode if client_mode is not None else dht.client_mode
+        self.parameters = tuple(parameters)
+        self.reuse_grad_buffers = reuse_grad_buffers
+        self.warn = warn
+        self.local_samples_accumulated = 0
+        self.local_times_accumulated = 0
+        self._anchor_batch_size = None
+        self._warned_unequal_batches = False
+        self._accumulators_used_in_step = False
+        self._new_averaged_grads = False
+
+        self._accumulators = GradientBuckets(self.parameters, device=accumulate_grads_on)
+        self._local_accumulators = self._accumulators.views  # upstream's name, read by hivemind's own code
+        if reuse_grad_buffers:
+            self._attach_grads_(alpha=1.0)
+
+        averaged_grads = tuple(averaged_grads or ())
+        if averaged_grads:
+            _check_averaged_grads(self.parameters, averaged_grads)
+            self._averaged_buckets = None
+        else:
+            self._averaged_buckets = GradientBuckets(self.parameters, device="cpu", share_memory=True)
+            averaged_grads = self._averaged_buckets.views
+        DecentralizedAverager.__init__(
+            self, averaged_tensors=averaged_grads, dht=dht, prefix=prefix, client_mode=client_mode, **kwargs
+        )
+
+    @torch.no_grad()
+    def _grad_accumulators(self) -> Iterator[torch.Tensor]:
+        """per-parameter views of the accumulators (in in-place mode, the same tensors as ``param.grad``)"""
+        yield from self._accumulators.views
+
+    @torch.no_grad()
+    def _attach_grads_(self, alpha: float) -> None:
+        """in-place mode: add any ``.grad`` that is not its accumulator view into the view, then re-attach the view"""
+        detached = [
+            (param, view) for param, view in zip(self.parameters, self._accumulators.views) if param.grad is not view
+        ]
+        if not detached:
+            return
+        sources = [None] * len(self.parameters)
+        index = {id(param): i for i, param in enumerate(self.parameters)}
+        for param, _ in detached:
+            sources[index[id(param)]] = param.grad
+        self._accumulators.add_(sources, alpha=alpha)
+        for param, view in detached:
+            param.grad = view
+
+    @torch.no_grad()
+    def accumulate_grads_(self, batch_size: int):
+        """
+        Add the current micro-step's gradients (``param.grad``) to the local accumulators.
+
+        Exact mode: one fused ``_foreach_add_`` per bucket, weighted by ``batch_size / first_batch_size`` as upstream;
+        parameters whose ``.grad`` is None contribute nothing.
+
+        In-place mode: autograd has already accumulated into the views, so while every ``.grad`` is still its view
+        this does no tensor work. A ``.grad`` that was set to None or replaced since the previous call (e.g. by
+        ``zero_grad(set_to_none=True)``) holds only the gradients computed since then: it is added into the
+        accumulator and the view is re-attached, so nothing is lost or counted twice. Zeroing a view in place
+        (``zero_grad(set_to_none=False)``) discards the accumulated sum, as it would in native PyTorch.
+
+        :param batch_size: number of samples in this micro-batch, a positive integer
+        :raises ValueError: if ``batch_size`` is not a positive integer
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size: expected a positive int (samples in this micro-batch), got {batch_size!r}")
+        if self._accumulators_used_in_step and self.warn:
+            logger.warning(
+                "[warn=True] Gradient accumulators were not reset since the last averaging round. Please "
+                "call .reset_accumulated_grads_ after every step or use .step(reset_accumulators=True)"
+            )
+            self._accumulators_used_in_step = False  # warn once per round
+        if self._anchor_batch_size is None:
+            # remember the first batch size to correctly re-scale gradients if subsequent batches have a different size
+            self._anchor_batch_size = batch_size
+        self.local_samples_accumulated += batch_size
+        self.local_times_accumulated += 1
+        if self.reuse_grad_buffers:
+            if batch_size != self._anchor_batch_size and not self._warned_unequal_batches:
+                warnings.warn(
+                    f"reuse_grad_buffers=True weighs every micro-step equally (as native PyTorch accumulation does), "
+                    f"but batch sizes differ ({self._anchor_batch_size} then {batch_size}); the exact mode "
+                    f"(reuse_grad_buffers=False) weighs micro-steps by batch size",
+                    stacklevel=2,
+                )
+                self._warned_unequal_batches = True
+            self._attach_grads_(alpha=1.0)
+        else:
+            self._accumulators.add_([param.grad for param in self.parameters], alpha=batch_size / self._anchor_batch_size)
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self):
+        """
+        Load locally accumulated gradients, divided by the number of micro-steps, into the averager's shared CPU
+        buffers: one bulk copy (and one scale) per bucket.
+        """
+        if self.reuse_grad_buffers:
+            self._attach_grads_(alpha=1.0)
+        grad_scale = (1.0 / self.local_times_accumulated) if self.local_times_accumulated != 0 else 0.0
+        with self.get_tensors() as averaged_grads:
+            self._accumulators.scaled_copy_to_(
+                self._averaged_buckets if self._averaged_buckets is not None else averaged_grads, grad_scale
+            )
+
+    @torch.no_grad()
+    def reset_accumulated_grads_(self):
+        """reset the accumulators (one ``zero_`` per bucket) and the micro-step counters"""
+        self._accumulators_used_in_step = False
+        self.local_samples_accumulated = self.local_times_accumulated = 0
+        self._anchor_batch_size = None
+        self._warned_unequal_batches = False
+        if self.reuse_grad_buffers:
+            for param, view in zip(self.parameters, self._accumulators.views):
+                param.grad = view
+        self._accumulators.zero_()
+
+
+def _check_averaged_grads(parameters: Sequence[torch.Tensor], averaged_grads: Sequence[torch.Tensor]) -> None:
+    if len(averaged_grads) != len(parameters):
+        raise ValueError(
+            f"averaged_grads: expected one tensor per parameter ({len(parameters)}), got {len(averaged_grads)}"
+        )
+    for i, (param, grad) in enumerate(zip(parameters, averaged_grads)):
+        if not isinstance(grad, torch.Tensor) or grad.shape != param.shape:
+            got = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
+            raise ValueError(f"averaged_grads[{i}]: expected shape {tuple(param.shape)} (as parameters[{i}]), got {got}")
+        if grad.device.type != "cpu":
+            raise ValueError(f"averaged_grads[{i}]: must be on CPU to be shared with the averager, got {grad.device}")

@@ -1,0 +1,13 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="hivemind-accum",
+    version="0.1.0",
+    description="hivemind gradient accumulation as cheap as native PyTorch accumulation",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["hivemind_accum", "hivemind_accum.*"]),
+    python_requires=">=3.9",
+    # tested with hivemind 1.1.12 and torch 2.13.0 (see requirements.txt for the pinned, tested set)
+    install_requires=["hivemind==1.1.12", "torch>=2.3"],
+)

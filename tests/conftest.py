@@ -1,0 +1,71 @@
+import contextlib
+from typing import Iterator, List
+
+import hivemind
+import pytest
+import torch
+from torch import nn
+
+
+class MixedNet(nn.Module):
+    """
+    A small model with several layer kinds and two dtypes (two accumulator buckets on CPU): a sparse-gradient
+    embedding, a channels_last convolution with batch norm, linear layers with layer norm, a float64 branch,
+    a head that receives gradients only on some micro-steps and a frozen layer that never does.
+    """
+
+    def __init__(self, sparse_embedding: bool = True):
+        super().__init__()
+        self.embedding = nn.Embedding(10, 6, sparse=sparse_embedding)
+        self.conv = nn.Conv2d(2, 4, 3, padding=1).to(memory_format=torch.channels_last)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 4 * 4 + 6, 5)
+        self.norm = nn.LayerNorm(5)
+        self.sometimes = nn.Linear(5, 5)
+        self.double_branch = nn.Linear(5, 5).double()
+        self.frozen = nn.Linear(5, 5)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor, use_sometimes: bool) -> torch.Tensor:
+        features = self.bn(self.conv(images.contiguous(memory_format=torch.channels_last))).relu().flatten(1)
+        hidden = self.norm(self.fc(torch.cat([features, self.embedding(tokens).mean(1)], dim=1)))
+        if use_sometimes:
+            hidden = hidden + self.sometimes(hidden).tanh()
+        hidden = hidden + self.double_branch(hidden.double()).float()
+        return self.frozen(hidden)
+
+
+def mixed_batch(generator: torch.Generator, batch_size: int):
+    images = torch.randn(batch_size, 2, 4, 4, generator=generator)
+    tokens = torch.randint(0, 10, (batch_size, 3), generator=generator)
+    targets = torch.randn(batch_size, 5, generator=generator)
+    return images, tokens, targets
+
+
+@contextlib.contextmanager
+def swarm(num_peers: int, **dht_kwargs) -> Iterator[List[hivemind.DHT]]:
+    """start ``num_peers`` DHT nodes on loopback (the first one is the initial peer), shut all of them down after"""
+    dhts = [hivemind.DHT(start=True, **dht_kwargs)]
+    try:
+        for _ in range(num_peers - 1):
+            dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True, **dht_kwargs))
+        yield dhts
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
+@contextlib.contextmanager
+def shutting_down(*averagers):
+    try:
+        yield averagers
+    finally:
+        for averager in averagers:
+            if averager.is_alive():
+                averager.shutdown()
+
+
+@pytest.fixture
+def dht():
+    with swarm(1) as (node,):
+        yield node
