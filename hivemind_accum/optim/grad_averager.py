@@ -12,6 +12,7 @@ How a gradient travels, in three files:
    ``1 / micro_steps``, into the averager's shared CPU buffers in one bulk op per bucket; upstream's
    :class:`hivemind.averaging.DecentralizedAverager` all-reduces those buffers with peers.
 """
+import numbers
 import warnings
 from typing import Iterable, Iterator, Optional, Sequence
 
@@ -90,7 +91,7 @@ class GradientAverager(upstream.GradientAverager):
         self._accumulators = GradientBuckets(self.parameters, device=accumulate_grads_on)
         self._local_accumulators = self._accumulators.views  # upstream's name, read by hivemind's own code
         if reuse_grad_buffers:
-            self._attach_grads_(alpha=1.0)
+            self._attach_grads_()
 
         averaged_grads = tuple(averaged_grads or ())
         if averaged_grads:
@@ -109,20 +110,19 @@ class GradientAverager(upstream.GradientAverager):
         yield from self._accumulators.views
 
     @torch.no_grad()
-    def _attach_grads_(self, alpha: float) -> None:
-        """in-place mode: add any ``.grad`` that is not its accumulator view into the view, then re-attach the view"""
-        detached = [
-            (param, view) for param, view in zip(self.parameters, self._accumulators.views) if param.grad is not view
-        ]
+    def _attach_grads_(self) -> None:
+        """in-place mode: add every ``.grad`` that is not its accumulator view into the view, then re-attach the view;
+        while all views are attached this only compares object identities, no tensor work"""
+        views = self._accumulators.views
+        detached = [i for i, (param, view) in enumerate(zip(self.parameters, views)) if param.grad is not view]
         if not detached:
             return
-        sources = [None] * len(self.parameters)
-        index = {id(param): i for i, param in enumerate(self.parameters)}
-        for param, _ in detached:
-            sources[index[id(param)]] = param.grad
-        self._accumulators.add_(sources, alpha=alpha)
-        for param, view in detached:
-            param.grad = view
+        sources = [None] * len(views)
+        for i in detached:
+            sources[i] = self.parameters[i].grad
+        self._accumulators.add_(sources)
+        for i in detached:
+            self.parameters[i].grad = views[i]
 
     @torch.no_grad()
     def accumulate_grads_(self, batch_size: int):
@@ -141,7 +141,7 @@ class GradientAverager(upstream.GradientAverager):
         :param batch_size: number of samples in this micro-batch, a positive integer
         :raises ValueError: if ``batch_size`` is not a positive integer
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size <= 0:
             raise ValueError(f"batch_size: expected a positive int (samples in this micro-batch), got {batch_size!r}")
         if self._accumulators_used_in_step and self.warn:
             logger.warning(
@@ -163,7 +163,7 @@ class GradientAverager(upstream.GradientAverager):
                     stacklevel=2,
                 )
                 self._warned_unequal_batches = True
-            self._attach_grads_(alpha=1.0)
+            self._attach_grads_()
         else:
             self._accumulators.add_([param.grad for param in self.parameters], alpha=batch_size / self._anchor_batch_size)
 
@@ -174,7 +174,7 @@ class GradientAverager(upstream.GradientAverager):
         buffers: one bulk copy (and one scale) per bucket.
         """
         if self.reuse_grad_buffers:
-            self._attach_grads_(alpha=1.0)
+            self._attach_grads_()
         grad_scale = (1.0 / self.local_times_accumulated) if self.local_times_accumulated != 0 else 0.0
         with self.get_tensors() as averaged_grads:
             self._accumulators.scaled_copy_to_(

@@ -66,8 +66,8 @@ class GradientBuckets:
     :param device: where to place the buffers; by default each bucket lives on its tensors' own device.
     :param share_memory: if True, move every buffer to shared memory (``Tensor.share_memory_``), as hivemind
       averagers need for the tensors their background process all-reduces; use with ``device="cpu"``.
-    :raises ValueError: if ``tensors`` is empty or holds a non-tensor, a sparse tensor or a non-float dtype;
-      the message names the offending position as ``parameters[i]``.
+    :raises ValueError: if ``tensors`` is empty or holds a non-tensor, a sparse or meta tensor or a non-float dtype
+      (the message names the offending position as ``parameters[i]``), or if ``device`` cannot be allocated on.
     """
 
     def __init__(
@@ -82,10 +82,17 @@ class GradientBuckets:
                 raise ValueError(f"parameters[{i}]: expected a torch.Tensor, got {type(tensor).__name__}")
             if tensor.layout != torch.strided:
                 raise ValueError(f"parameters[{i}]: {tensor.layout} parameters are not supported, use dense ones")
+            if tensor.device.type == "meta":
+                raise ValueError(f"parameters[{i}]: is on the meta device and holds no data; materialize the model first")
             if not tensor.is_floating_point():
                 raise ValueError(f"parameters[{i}]: dtype {tensor.dtype} cannot hold gradients, use a float dtype")
             groups.setdefault((tensor.device, tensor.dtype), []).append(i)
 
+        if device is not None:
+            try:
+                torch.empty(0, device=device)
+            except (RuntimeError, AssertionError) as e:
+                raise ValueError(f"accumulate_grads_on: cannot place accumulators on device {device!r} ({e})") from e
         self.buckets: List[GradientBucket] = [
             _make_bucket(
                 [tensors[i] for i in indices],

@@ -1,0 +1,101 @@
+"""
+Deterministic cost guards for the no-sync step, counted with ``torch.profiler`` (no timing): the exact mode launches
+a number of operators that does not grow with the number of parameter tensors, the in-place mode launches none,
+and neither allocates memory. Top-level operators are counted (events without an aten parent): on CPU a fused
+``_foreach_add_`` over P tensors shows as one top-level event with P ``add_`` children.
+"""
+from typing import NamedTuple
+
+import pytest
+import torch
+from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAverager
+from torch.profiler import ProfilerActivity, profile
+
+from hivemind_accum import GradientAverager
+
+
+class StepCost(NamedTuple):
+    top_level_ops: int
+    allocated_bytes: int
+    device_to_host_copies: int
+
+
+def no_sync_step_cost(averager, model, batch_size: int = 2) -> StepCost:
+    """run two warm-up micro-steps, then profile the third micro-step's ``accumulate_grads_`` alone"""
+    for _ in range(3):
+        if not averager.reuse_grad_buffers:
+            model.zero_grad(set_to_none=True)
+        model(torch.randn(batch_size, model[0].in_features)).square().mean().backward()
+        if _ < 2:
+            averager.accumulate_grads_(batch_size)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        averager.accumulate_grads_(batch_size)
+    events = prof.events()
+    return StepCost(
+        top_level_ops=sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::")),
+        allocated_bytes=sum(max(e.self_cpu_memory_usage, 0) + max(e.self_device_memory_usage, 0) for e in events),
+        device_to_host_copies=sum(1 for e in events if "DtoH" in e.name or "Memcpy DtoH" in e.name),
+    )
+
+
+def make_model(num_layers: int, width: int = 8) -> torch.nn.Sequential:
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(num_layers)])
+
+
+def assert_cost_independent_of_tensor_count(averager_cls, dht, reuse_grad_buffers: bool) -> None:
+    """the guard: the no-sync step's operator count is the same for 8 and 128 parameter tensors, allocates nothing
+    and copies nothing to the host"""
+    costs = {}
+    for num_layers in (4, 64):
+        model = make_model(num_layers)
+        averager = averager_cls(model.parameters(), dht=dht, prefix="guard", reuse_grad_buffers=reuse_grad_buffers,
+                                start=False)
+        costs[2 * num_layers] = no_sync_step_cost(averager, model)
+    small, large = costs.values()
+    assert small.top_level_ops == large.top_level_ops, f"no-sync step work grows with the tensor count: {costs}"
+    assert small.allocated_bytes == large.allocated_bytes == 0, f"no-sync step allocates memory: {costs}"
+    assert small.device_to_host_copies == large.device_to_host_copies == 0, f"no-sync step copies to host: {costs}"
+
+
+@pytest.mark.forked
+def test_exact_mode_cost_is_one_fused_op(dht):
+    assert_cost_independent_of_tensor_count(GradientAverager, dht, reuse_grad_buffers=False)
+    model = make_model(64)
+    cost = no_sync_step_cost(GradientAverager(model.parameters(), dht=dht, prefix="guard", start=False), model)
+    assert cost.top_level_ops == 1  # one _foreach_add_ for the single (cpu, float32) bucket
+
+
+@pytest.mark.forked
+def test_in_place_mode_does_no_tensor_work(dht):
+    assert_cost_independent_of_tensor_count(GradientAverager, dht, reuse_grad_buffers=True)
+    for num_layers in (2, 256):  # a small and a large model
+        model = make_model(num_layers, width=64)
+        averager = GradientAverager(model.parameters(), dht=dht, prefix="guard", reuse_grad_buffers=True, start=False)
+        assert no_sync_step_cost(averager, model) == StepCost(0, 0, 0)
+
+
+@pytest.mark.forked
+def test_guard_catches_upstream_per_parameter_loop(dht):
+    """the same guard run on upstream's GradientAverager must fail: it loops over parameters in Python"""
+    with pytest.raises(AssertionError, match="grows with the tensor count"):
+        assert_cost_independent_of_tensor_count(UpstreamGradientAverager, dht, reuse_grad_buffers=False)
+
+
+@pytest.mark.forked
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs exist only with a CUDA device")
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True])
+def test_no_host_sync_in_no_sync_step_cuda(dht, reuse_grad_buffers):
+    model = make_model(8).cuda()
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="sync", reuse_grad_buffers=reuse_grad_buffers,
+                                start=False)
+    for _ in range(3):
+        model(torch.randn(2, 8, device="cuda")).square().mean().backward()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            averager.accumulate_grads_(batch_size=2)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    averager.load_accumulators_into_averager_()
+    with averager.get_tensors() as averaged:
+        assert all(t.device.type == "cpu" for t in averaged)

@@ -1,0 +1,66 @@
+"""Bad input gets a clear error naming the parameter; unusual but valid input gets the correct result."""
+import copy
+
+import pytest
+import torch
+from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAverager
+
+from hivemind_accum import GradientAverager
+
+
+@pytest.mark.forked
+def test_averaged_grads_of_wrong_shape_or_length(dht):
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=r"averaged_grads\[1\]: expected shape \(2,\)"):
+        GradientAverager(model.parameters(), dht=dht, prefix="e", averaged_grads=[torch.zeros(2, 3), torch.zeros(3)])
+    with pytest.raises(ValueError, match=r"averaged_grads: expected one tensor per parameter \(2\), got 1"):
+        GradientAverager(model.parameters(), dht=dht, prefix="e", averaged_grads=[torch.zeros(2, 3)])
+
+
+@pytest.mark.forked
+def test_parameters_the_accumulators_cannot_hold(dht):
+    with pytest.raises(ValueError, match=r"parameters\[0\]: is on the meta device"):
+        GradientAverager([torch.nn.Parameter(torch.zeros(3, device="meta"))], dht=dht, prefix="e")
+    with pytest.raises(ValueError, match=r"parameters\[1\]: dtype torch.int64 cannot hold gradients"):
+        GradientAverager([torch.zeros(2), torch.zeros(2, dtype=torch.long)], dht=dht, prefix="e")
+    with pytest.raises(ValueError, match=r"parameters\[0\]: torch.sparse_coo parameters are not supported"):
+        GradientAverager([torch.zeros(2, 2).to_sparse()], dht=dht, prefix="e")
+    with pytest.raises(ValueError, match="parameters: expected at least one tensor"):
+        GradientAverager([], dht=dht, prefix="e")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="accumulate_grads_on: cannot place accumulators on device 'cuda'"):
+            GradientAverager([torch.zeros(2)], dht=dht, prefix="e", accumulate_grads_on="cuda")
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("batch_size", [0, -4, 2.5, True, None])
+def test_invalid_batch_size(dht, batch_size):
+    model = torch.nn.Linear(3, 2)
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="e", start=False)
+    model(torch.ones(1, 3)).sum().backward()
+    with pytest.raises(ValueError, match=r"batch_size: expected a positive int"):
+        averager.accumulate_grads_(batch_size=batch_size)
+    assert averager.local_times_accumulated == 0 and all(a.count_nonzero() == 0 for a in averager._grad_accumulators())
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True])
+def test_sparse_gradients_accumulate_densely(dht, reuse_grad_buffers):
+    """nn.Embedding(sparse=True): both modes take sparse gradients (exact mode as upstream does, in-place mode as
+    native accumulation into a dense .grad does)"""
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(6, 3, sparse=True)
+    reference = copy.deepcopy(embedding)
+    averager = GradientAverager(embedding.parameters(), dht=dht, prefix="e", reuse_grad_buffers=reuse_grad_buffers,
+                                start=False)
+    upstream = UpstreamGradientAverager(reference.parameters(), dht=dht, prefix="u", start=False)
+    for tokens in ([0, 1, 1], [2, 5], [1]):
+        for module, avg in ((embedding, averager), (reference, upstream)):
+            module.zero_grad(set_to_none=True)
+            module(torch.tensor(tokens)).square().sum().backward()
+            avg.accumulate_grads_(batch_size=3)  # equal batch sizes: both modes weigh micro-steps alike
+    for avg in averager, upstream:
+        avg.load_accumulators_into_averager_()
+    with averager.get_tensors() as (ours,), upstream.get_tensors() as (ref,):
+        torch.testing.assert_close(ours, ref)
+        assert ours.count_nonzero() > 0

@@ -1,0 +1,113 @@
+"""In-place mode (reuse_grad_buffers=True) against native PyTorch accumulation as the oracle."""
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hivemind_accum import GradientAverager
+from tests.conftest import MixedNet, mixed_batch, shutting_down, swarm
+
+
+def native_accumulation(model, batches, use_sometimes):
+    """sum of the gradients of every micro-batch, as plain ``loss.backward()`` accumulates it (None -> zeros)"""
+    model.zero_grad(set_to_none=True)
+    for (images, tokens, targets), use in zip(batches, use_sometimes):
+        F.mse_loss(model(images, tokens, use), targets).backward()
+    return [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in model.parameters()]
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("zero_grad", ["never", "before_backward", "after_step", "mixed"])
+def test_in_place_matches_native_accumulation(dht, zero_grad):
+    torch.manual_seed(0)
+    model = MixedNet()
+    reference = copy.deepcopy(model)
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="inplace", reuse_grad_buffers=True, start=False)
+    views = list(averager._grad_accumulators())
+    assert all(p.grad is v for p, v in zip(model.parameters(), views))
+    assert model.conv.weight.grad.is_contiguous(memory_format=torch.channels_last)
+
+    rng, generator = random.Random(1), torch.Generator().manual_seed(1)
+    for round_ in range(2):
+        num_steps = 5 + round_
+        batches = [mixed_batch(generator, 4) for _ in range(num_steps)]
+        use_sometimes = [rng.random() < 0.5 for _ in range(num_steps)]
+        for step, ((images, tokens, targets), use) in enumerate(zip(batches, use_sometimes)):
+            if zero_grad == "before_backward" or (zero_grad == "mixed" and step % 2):
+                model.zero_grad(set_to_none=True)
+            F.mse_loss(model(images, tokens, use), targets).backward()
+            averager.accumulate_grads_(batch_size=4)
+            if zero_grad == "after_step":
+                model.zero_grad(set_to_none=True)
+        expected = native_accumulation(reference, batches, use_sometimes)
+        for acc, exp in zip(averager._grad_accumulators(), expected, strict=True):
+            torch.testing.assert_close(acc, exp)
+        averager.load_accumulators_into_averager_()
+        assert all(p.grad is v for p, v in zip(model.parameters(), views))  # views re-attached
+        with averager.get_tensors() as averaged:
+            for avg, exp in zip(averaged, expected, strict=True):
+                torch.testing.assert_close(avg, exp / num_steps)
+        averager.reset_accumulated_grads_()
+        assert all(p.grad is v and v.count_nonzero() == 0 for p, v in zip(model.parameters(), views))
+
+
+@pytest.mark.forked
+def test_in_place_zeroing_a_view_discards_the_epoch_and_unequal_batches_warn_once(dht):
+    model = torch.nn.Linear(3, 2)
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="inplace", reuse_grad_buffers=True, start=False)
+    x = torch.ones(1, 3)
+    model(x).sum().backward()
+    averager.accumulate_grads_(batch_size=1)
+    model.zero_grad(set_to_none=False)  # zeroes the accumulator views in place, as native accumulation would
+    model(2 * x).sum().backward()
+    with pytest.warns(UserWarning, match="weighs every micro-step equally") as record:
+        averager.accumulate_grads_(batch_size=3)
+        model(3 * x).sum().backward()
+        averager.accumulate_grads_(batch_size=5)
+    assert len(record) == 1
+    averager.load_accumulators_into_averager_()
+    with averager.get_tensors() as (weight, bias):
+        torch.testing.assert_close(weight, torch.full((2, 3), 5.0 / 3))  # (2 + 3) / 3 micro-steps
+        torch.testing.assert_close(bias, torch.full((2,), 2.0 / 3))
+
+
+@pytest.mark.forked
+def test_in_place_two_peers_average_sample_weighted():
+    shape = (4, 3)
+    with swarm(2) as dhts:
+        models = [torch.nn.Linear(3, 4) for _ in dhts]
+        for model in models[1:]:
+            model.load_state_dict(models[0].state_dict())
+        averagers = [
+            GradientAverager(model.parameters(), dht=dht, prefix="pair", reuse_grad_buffers=True,
+                             target_group_size=2, start=True)
+            for model, dht in zip(models, dhts)
+        ]
+        with shutting_down(*averagers):
+            local, weights = [], []
+            for peer, (model, averager) in enumerate(zip(models, averagers)):
+                reference = copy.deepcopy(model)
+                generator = torch.Generator().manual_seed(peer)
+                batches = [(torch.randn(2 + peer, 3, generator=generator), torch.randn(2 + peer, 4, generator=generator))
+                           for _ in range(3 + 2 * peer)]
+                for x, y in batches:
+                    model.zero_grad()  # a framework that zeroes gradients before every backward
+                    F.mse_loss(model(x), y).backward()
+                    averager.accumulate_grads_(batch_size=len(x))
+                reference.zero_grad()
+                for x, y in batches:
+                    F.mse_loss(reference(x), y).backward()
+                local.append([p.grad / len(batches) for p in reference.parameters()])
+                weights.append(averager.local_samples_accumulated)
+            assert weights == [2 * 3, 3 * 5]
+            controls = [averager.step(wait=False, timeout=30) for averager in averagers]
+            assert all(control.result(timeout=60) is not None for control in controls)
+            expected = [(weights[0] * g0 + weights[1] * g1) / sum(weights) for g0, g1 in zip(*local)]
+            for model, averager in zip(models, averagers):
+                with averager.use_averaged_gradients():
+                    for param, exp in zip(model.parameters(), expected, strict=True):
+                        torch.testing.assert_close(param.grad, exp)
+                assert all(p.grad is v for p, v in zip(model.parameters(), averager._grad_accumulators()))
+                assert all(v.count_nonzero() == 0 for v in averager._grad_accumulators())

@@ -1,0 +1,87 @@
+"""hivemind_accum.Optimizer against upstream hivemind.Optimizer as the oracle."""
+import multiprocessing as mp
+
+import hivemind
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hivemind_accum
+
+
+def _train_one_peer(optimizer_cls_name: str, reuse_grad_buffers: bool, offload: bool, zero_grad: bool, result_queue):
+    optimizer_cls = dict(upstream=hivemind.Optimizer, ours=hivemind_accum.Optimizer)[optimizer_cls_name]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    dht = hivemind.DHT(start=True)
+    kwargs = dict(params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    if not offload:
+        kwargs = dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), offload_optimizer=False)
+    opt = optimizer_cls(
+        dht=dht, run_id=f"single_{optimizer_cls_name}", target_batch_size=12, batch_size_per_step=4,
+        matchmaking_time=0.5, averaging_timeout=5, reuse_grad_buffers=reuse_grad_buffers, verbose=False, **kwargs,
+    )
+    generator = torch.Generator().manual_seed(1)
+    initial = [p.detach().clone() for p in model.parameters()]
+    epochs = []
+    try:
+        for step in range(14):
+            x, y = torch.randn(4, 8, generator=generator), torch.randint(0, 3, (4,), generator=generator)
+            if zero_grad:
+                opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            epochs.append(opt.local_epoch)
+        result_queue.put((epochs, initial, [p.detach().clone() for p in model.parameters()]))
+    finally:
+        opt.shutdown()
+        dht.shutdown()
+
+
+def train_one_peer(name: str, reuse_grad_buffers: bool = False, offload: bool = True, zero_grad: bool = True):
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_train_one_peer, args=(name, reuse_grad_buffers, offload, zero_grad, queue))
+    process.start()
+    result = queue.get(timeout=120)
+    process.join(timeout=60)
+    return result
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("offload", [True, False])
+def test_optimizer_trains_like_upstream_single_peer(offload):
+    ref_epochs, ref_initial, ref_params = train_one_peer("upstream", offload=offload)
+    epochs, initial, params = train_one_peer("ours", offload=offload)
+    assert ref_epochs[-1] >= 3, "the run must cross several epochs for the comparison to mean anything"
+    assert epochs == ref_epochs
+    for ours, ref, start in zip(params, ref_params, initial, strict=True):
+        torch.testing.assert_close(ours, ref)
+        assert (ours - start).abs().max() > 1e-3  # training moved every parameter
+
+
+@pytest.mark.forked
+def test_in_place_optimizer_allows_zero_grad_and_trains_like_upstream():
+    """upstream's reuse_grad_buffers=True forbids zero_grad; ours accepts it (a framework zeroing gradients after
+    every optimizer call) and still trains exactly like upstream's in-place run without zero_grad"""
+    ref_epochs, _, ref_params = train_one_peer("upstream", reuse_grad_buffers=True, zero_grad=False)
+    epochs, _, params = train_one_peer("ours", reuse_grad_buffers=True, zero_grad=True)
+    assert ref_epochs[-1] >= 3 and epochs == ref_epochs
+    for ours, ref in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(ours, ref)
+
+
+@pytest.mark.forked
+def test_optimizer_uses_hivemind_accum_averager():
+    dht = hivemind.DHT(start=True)
+    model = torch.nn.Linear(4, 2)
+    opt = hivemind_accum.Optimizer(
+        dht=dht, run_id="factory", target_batch_size=8, batch_size_per_step=2,
+        params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+    )
+    try:
+        assert type(opt.grad_averager) is hivemind_accum.GradientAverager
+        assert isinstance(opt, hivemind.Optimizer)
+    finally:
+        opt.shutdown()
+        dht.shutdown()
