@@ -1,0 +1,133 @@
+"""
+One benchmark configuration in one fresh process: times every micro-step of a local training loop that never
+reaches the swarm's target batch size, so every ``opt.step()`` is a no-sync step.
+
+Run as ``python -m benchmarks.micro_step_worker --impl exact --model linear-100m``; prints one JSON object with
+per-micro-step samples in seconds (``micro_step``: zero_grad + forward + backward + step; ``no_sync_step``: the
+``opt.step()`` call alone; ``load``: the averaging-time ``load_accumulators_into_averager_``), peak RSS in bytes and
+the parameter count. Implementations:
+
+- ``native``: plain PyTorch accumulation, ``loss.backward()`` into the existing ``.grad``, no optimizer call;
+- ``upstream``: ``hivemind.Optimizer`` (upstream ``GradientAverager``), ``zero_grad()`` before every backward;
+- ``exact``: ``hivemind_accum.Optimizer`` (``reuse_grad_buffers=False``), same loop as upstream;
+- ``inplace``: ``hivemind_accum.Optimizer(reuse_grad_buffers=True)``, no ``zero_grad`` (autograd accumulates).
+
+Both hivemind variants use the slowdown report's configuration where the CPU allows: fp16 gradient compression,
+offloaded optimizer, delayed optimizer step and state averaging; one peer with a target batch size it never reaches.
+"""
+import argparse
+import json
+import resource
+import sys
+import time
+
+import torch
+
+IMPLEMENTATIONS = ("native", "upstream", "exact", "inplace")
+
+
+def build_model(name: str) -> torch.nn.Module:
+    """
+    :param name: ``linear-<N>m`` (a stack of 2048-wide Linear layers with about N million parameters),
+      ``resnet152`` or ``convnext-large`` (transformers' ResNet-152 and ConvNeXt-Large configs, random weights)
+    :returns: the model, taking a batch of inputs from :func:`make_inputs` and returning logits
+    """
+    if name.startswith("linear-"):
+        width = 2048
+        layers = max(1, round(float(name[len("linear-") : -1]) * 1e6 / (width * width + width)))
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(layers)])
+    from transformers import ConvNextConfig, ConvNextForImageClassification, ResNetConfig, ResNetForImageClassification
+
+    if name == "resnet152":
+        config = ResNetConfig(depths=[3, 8, 36, 3], layer_type="bottleneck", hidden_sizes=[256, 512, 1024, 2048], num_labels=10)
+        return _Logits(ResNetForImageClassification(config))
+    if name == "convnext-large":
+        config = ConvNextConfig(depths=[3, 3, 27, 3], hidden_sizes=[192, 384, 768, 1536], num_labels=10)
+        return _Logits(ConvNextForImageClassification(config))
+    raise ValueError(f"model: unknown name {name!r}; use linear-<N>m, resnet152 or convnext-large")
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=pixels).logits
+
+
+def make_inputs(name: str, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    if name.startswith("linear-"):
+        return torch.randn(batch_size, 2048, generator=generator)
+    return torch.randn(batch_size, 3, 32, 32, generator=generator)
+
+
+def run(impl: str, model_name: str, steps: int, warmup: int, batch_size: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = build_model(model_name)
+    generator = torch.Generator().manual_seed(1)
+    opt = dht = None
+    if impl != "native":
+        import hivemind
+        from hivemind.compression import Float16Compression
+
+        import hivemind_accum
+
+        dht = hivemind.DHT(start=True)
+        optimizer_cls = hivemind.Optimizer if impl == "upstream" else hivemind_accum.Optimizer
+        opt = optimizer_cls(
+            dht=dht, run_id=f"bench_{impl}", params=model.parameters(),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+            target_batch_size=10**9, batch_size_per_step=batch_size, reuse_grad_buffers=impl == "inplace",
+            grad_compression=Float16Compression(), offload_optimizer=True, delay_optimizer_step=True,
+            delay_state_averaging=True, matchmaking_time=5.0, verbose=False,
+        )
+    micro_steps, no_sync_steps, loads = [], [], []
+    try:
+        for step in range(warmup + steps):
+            inputs = make_inputs(model_name, batch_size, generator)
+            start = time.perf_counter()
+            if impl in ("upstream", "exact"):
+                opt.zero_grad()
+            model(inputs).float().square().mean().backward()
+            step_start = time.perf_counter()
+            if opt is not None:
+                opt.step()
+            end = time.perf_counter()
+            if step >= warmup:
+                micro_steps.append(end - start)
+                no_sync_steps.append(end - step_start)
+        if opt is not None:
+            assert opt.local_epoch == 0, "the benchmark must never reach the target batch size"
+            for _ in range(3):
+                start = time.perf_counter()
+                opt.grad_averager.load_accumulators_into_averager_()
+                loads.append(time.perf_counter() - start)
+    finally:
+        if opt is not None:
+            opt.shutdown()
+            dht.shutdown()
+    return dict(
+        impl=impl, model=model_name, params=sum(p.numel() for p in model.parameters()),
+        tensors=len(list(model.parameters())), batch_size=batch_size, threads=threads,
+        micro_step=micro_steps, no_sync_step=no_sync_steps if opt is not None else [], load=loads,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--impl", choices=IMPLEMENTATIONS, required=True)
+    parser.add_argument("--model", default="linear-100m")
+    parser.add_argument("--steps", type=int, default=10, help="measured micro-steps")
+    parser.add_argument("--warmup", type=int, default=3, help="micro-steps before measuring")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args(argv)
+    result = run(args.impl, args.model, args.steps, args.warmup, args.batch_size, args.threads)
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()

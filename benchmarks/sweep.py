@@ -1,0 +1,195 @@
+"""
+Sweep model sizes and accumulation implementations, each configuration in its own fresh process, and write the
+results as JSON, a markdown table and the slowdown report's two figures.
+
+Processes alternate between implementations round by round (native, upstream, exact, inplace, then the reverse
+order), so slow drift of the machine spreads over all of them; every reported number is a median over all measured
+micro-steps of all rounds. One process runs one configuration: a training process never mixes variants, and
+allocator state left by one variant would hide another's cost (see ../shared/DESIGN.md).
+
+Run: ``python -m benchmarks.sweep`` (all sizes; about 10 minutes on 2 CPU cores), ``--help`` for options.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from typing import Dict, List, Sequence
+
+import torch
+
+from benchmarks.micro_step_worker import IMPLEMENTATIONS
+
+DEFAULT_MODELS = ("linear-10m", "resnet152", "linear-100m", "convnext-large")
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_configuration(impl: str, model: str, steps: int, warmup: int, batch_size: int, threads: int) -> dict:
+    """
+    Run one configuration in a fresh ``python -m benchmarks.micro_step_worker`` process.
+
+    :returns: the worker's JSON result (times in seconds, memory in bytes)
+    :raises RuntimeError: with the worker's stderr tail if it fails
+    """
+    command = [
+        sys.executable, "-m", "benchmarks.micro_step_worker", "--impl", impl, "--model", model, "--steps", str(steps),
+        "--warmup", str(warmup), "--batch-size", str(batch_size), "--threads", str(threads),
+    ]
+    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_sweep(
+    models: Sequence[str] = DEFAULT_MODELS,
+    impls: Sequence[str] = IMPLEMENTATIONS,
+    rounds: int = 2,
+    steps: int = 6,
+    warmup: int = 2,
+    batch_size: int = 4,
+    threads: int = 1,
+    verbose: bool = True,
+) -> Dict[str, Dict[str, List[dict]]]:
+    """
+    :returns: ``results[model][impl]`` = list of worker results, one per round (per fresh process)
+    """
+    results = {model: {impl: [] for impl in impls} for model in models}
+    for model in models:
+        for round_ in range(rounds):
+            for impl in impls if round_ % 2 == 0 else reversed(impls):
+                result = run_configuration(impl, model, steps, warmup, batch_size, threads)
+                results[model][impl].append(result)
+                if verbose:
+                    print(
+                        f"[sweep] {model} round {round_ + 1}/{rounds} {impl:>8}: micro-step "
+                        f"{1e3 * statistics.median(result['micro_step']):.1f} ms",
+                        file=sys.stderr, flush=True,
+                    )
+    return results
+
+
+def pooled(runs: List[dict], key: str) -> List[float]:
+    """all samples of ``key`` over every process of one configuration"""
+    return [sample for run in runs for sample in run[key]]
+
+
+def summarize(results: Dict[str, Dict[str, List[dict]]]) -> List[dict]:
+    """one row per (model, implementation): medians in milliseconds, ratios to native, peak RSS in MiB"""
+    rows = []
+    for model, by_impl in results.items():
+        native = statistics.median(pooled(by_impl["native"], "micro_step")) if "native" in by_impl else None
+        for impl, runs in by_impl.items():
+            micro = statistics.median(pooled(runs, "micro_step"))
+            no_sync, load = pooled(runs, "no_sync_step"), pooled(runs, "load")
+            rows.append(dict(
+                model=model, impl=impl, params_m=runs[0]["params"] / 1e6, tensors=runs[0]["tensors"],
+                micro_step_ms=1e3 * micro,
+                ratio_to_native=micro / native if native else None,
+                throughput_vs_native=native / micro if native else None,
+                no_sync_step_ms=1e3 * statistics.median(no_sync) if no_sync else None,
+                load_ms=1e3 * statistics.median(load) if load else None,
+                peak_rss_mib=max(run["peak_rss_bytes"] for run in runs) / 2**20,
+                processes=len(runs), samples=len(pooled(runs, "micro_step")),
+            ))
+    return rows
+
+
+def markdown_table(rows: List[dict]) -> str:
+    def fmt(value, spec):
+        return "n/a" if value is None else format(value, spec)
+
+    lines = [
+        "| model (M params, tensors) | implementation | micro-step ms | ratio to native | no-sync `step()` ms "
+        "| averaging-time load ms | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['model']} ({row['params_m']:.1f} M, {row['tensors']}) | {row['impl']} | {row['micro_step_ms']:.1f} "
+            f"| {fmt(row['ratio_to_native'], '.3f')} | {fmt(row['no_sync_step_ms'], '.2f')} "
+            f"| {fmt(row['load_ms'], '.1f')} | {row['peak_rss_mib']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: List[dict], output_dir: str, title_suffix: str) -> List[str]:
+    """the report's two figures: no-sync step time against parameter count, local throughput relative to native"""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for impl in IMPLEMENTATIONS[1:]:
+        points = sorted((r["params_m"], r["no_sync_step_ms"]) for r in rows if r["impl"] == impl and r["no_sync_step_ms"])
+        if points:
+            ax.plot(*zip(*points), marker="o", label=impl)
+    ax.set_xlabel("parameters (millions)")
+    ax.set_ylabel("no-sync opt.step() time, ms (median)")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_title(f"No-sync step time vs model size ({title_suffix})")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    paths.append(os.path.join(output_dir, "no_sync_step_vs_params.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    impls = [impl for impl in IMPLEMENTATIONS if any(r["impl"] == impl for r in rows)]
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    width = 0.8 / len(impls)
+    for k, impl in enumerate(impls):
+        values = [next((r["throughput_vs_native"] for r in rows if r["model"] == m and r["impl"] == impl), 0) for m in models]
+        bars = ax.bar([i + k * width for i in range(len(models))], [100 * v for v in values], width, label=impl)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(models))], models)
+    ax.set_ylabel("local throughput, % of native PyTorch accumulation")
+    ax.set_title(f"Local throughput relative to native ({title_suffix})")
+    ax.axhline(100, color="gray", lw=0.8)
+    ax.legend(fontsize=8)
+    paths.append(os.path.join(output_dir, "throughput_vs_native.png"))
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def machine_description(threads: int) -> str:
+    return (
+        f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {threads} intra-op thread(s), "
+        f"Python {platform.python_version()}"
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
+    parser.add_argument("--rounds", type=int, default=2, help="fresh processes per implementation, alternating")
+    parser.add_argument("--steps", type=int, default=6, help="measured micro-steps per process")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--output-dir", default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    os.makedirs(args.output_dir, exist_ok=True)
+    results = run_sweep(args.models, IMPLEMENTATIONS, args.rounds, args.steps, args.warmup, args.batch_size, args.threads)
+    rows = summarize(results)
+    machine = machine_description(args.threads)
+    with open(os.path.join(args.output_dir, "sweep_cpu.json"), "w") as f:
+        json.dump(dict(machine=machine, args=vars(args), rows=rows, raw=results), f, indent=1)
+    table = markdown_table(rows)
+    with open(os.path.join(args.output_dir, "sweep_cpu.md"), "w") as f:
+        f.write(f"Measured on: {machine}\n\n{table}\n")
+    for path in plot(rows, args.output_dir, "CPU"):
+        print(f"wrote {path}", file=sys.stderr)
+    print(f"Measured on: {machine}\n\n{table}")
+
+
+if __name__ == "__main__":
+    main()

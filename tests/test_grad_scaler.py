@@ -1,0 +1,94 @@
+"""Mixed precision in in-place mode: accumulated gradients are unscaled exactly once per epoch."""
+import multiprocessing as mp
+
+import hivemind
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hivemind_accum
+
+MICRO_STEPS, BATCH, EPOCHS, LR, SCALE = 4, 2, 3, 0.5, 2.0**10
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def batches():
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 6, generator=generator), torch.randint(0, 3, (BATCH,), generator=generator))
+            for _ in range(MICRO_STEPS * EPOCHS)]
+
+
+def native_reference():
+    """native accumulation with a plain scaler: K scaled backwards of loss / K, one unscale and step per epoch"""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    for i, (x, y) in enumerate(batches()):
+        scaler.scale(F.cross_entropy(model(x), y) / MICRO_STEPS).backward()
+        if (i + 1) % MICRO_STEPS == 0:
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _hivemind_run(scaler_kind: str, queue):
+    model = make_model()
+    dht = hivemind.DHT(start=True)
+    opt = hivemind_accum.Optimizer(
+        dht=dht, run_id="amp", params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=LR),
+        target_batch_size=MICRO_STEPS * BATCH, batch_size_per_step=BATCH, reuse_grad_buffers=True,
+        matchmaking_time=0.5, averaging_timeout=5,
+    )
+    if scaler_kind == "hivemind":
+        scaler = hivemind.GradScaler("cpu", init_scale=SCALE)
+    else:
+        scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    try:
+        for x, y in batches():
+            # the training loop of a framework that unscales before clipping on every optimizer call
+            scaler.scale(F.cross_entropy(model(x), y)).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+            scaler.step(opt)
+            scaler.update()
+        queue.put((opt.local_epoch, [p.detach().clone() for p in model.parameters()]))
+    except Exception as e:
+        queue.put(e)
+    finally:
+        opt.shutdown()
+        dht.shutdown()
+
+
+def hivemind_run(scaler_kind: str):
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    process = ctx.Process(target=_hivemind_run, args=(scaler_kind, queue))
+    process.start()
+    result = queue.get(timeout=120)
+    process.join(timeout=60)
+    return result
+
+
+@pytest.mark.forked
+def test_in_place_with_hivemind_grad_scaler_unscales_once_per_epoch():
+    """regression test for the report that reuse_grad_buffers=True with AMP could unscale the same accumulated
+    buffer more than once: a loop calling unscale_ on every micro-step still trains exactly like native
+    accumulation of the unscaled gradients"""
+    epoch, params = hivemind_run("hivemind")
+    assert epoch == EPOCHS
+    expected = native_reference()
+    initial = list(make_model().parameters())
+    for ours, ref, start in zip(params, expected, initial, strict=True):
+        torch.testing.assert_close(ours, ref)
+        assert (ours - start).abs().max() > 1e-3
+
+
+@pytest.mark.forked
+def test_in_place_with_plain_torch_grad_scaler_is_a_clear_error():
+    error = hivemind_run("torch")
+    assert isinstance(error, ValueError) and "hivemind.GradScaler" in str(error)
