@@ -13,11 +13,13 @@ How a gradient travels, in three files:
    :class:`hivemind.averaging.DecentralizedAverager` all-reduces those buffers with peers.
 """
 import numbers
+import operator
 import warnings
 from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import StepControl
 from hivemind.dht import DHT
 from hivemind.optim import grad_averager as upstream
 from hivemind.utils import get_logger
@@ -25,6 +27,7 @@ from hivemind.utils import get_logger
 from hivemind_accum.optim.grad_buckets import GradientBuckets
 
 logger = get_logger(__name__)
+_get_grad = operator.attrgetter("grad")
 
 
 class GradientAverager(upstream.GradientAverager):
@@ -100,6 +103,10 @@ class GradientAverager(upstream.GradientAverager):
         else:
             self._averaged_buckets = GradientBuckets(self.parameters, device="cpu", share_memory=True)
             averaged_grads = self._averaged_buckets.views
+        # this round's local gradients (as loaded into the averager), kept on the host until the round's result is
+        # used: if the all-reduce fails after the accumulators were reset, the optimizer falls back to these
+        self._local_fallback = GradientBuckets(self.parameters, device="cpu")
+        self._fallback_pending = False
         DecentralizedAverager.__init__(
             self, averaged_tensors=averaged_grads, dht=dht, prefix=prefix, client_mode=client_mode, **kwargs
         )
@@ -114,9 +121,9 @@ class GradientAverager(upstream.GradientAverager):
         """in-place mode: add every ``.grad`` that is not its accumulator view into the view, then re-attach the view;
         while all views are attached this only compares object identities, no tensor work"""
         views = self._accumulators.views
+        if all(map(operator.is_, map(_get_grad, self.parameters), views)):
+            return  # O(parameters) identity checks in C, about 0.1 us per parameter
         detached = [i for i, (param, view) in enumerate(zip(self.parameters, views)) if param.grad is not view]
-        if not detached:
-            return
         sources = [None] * len(views)
         for i in detached:
             sources[i] = self.parameters[i].grad
@@ -167,23 +174,32 @@ class GradientAverager(upstream.GradientAverager):
         else:
             self._accumulators.add_([param.grad for param in self.parameters], alpha=batch_size / self._anchor_batch_size)
 
-    @torch.no_grad()
-    def load_accumulators_into_averager_(self):
+    def step(
+        self,
+        weight: Optional[float] = None,
+        reset_accumulators: bool = True,
+        control: Optional[StepControl] = None,
+        timeout: Optional[float] = None,
+        wait: bool = True,
+        **kwargs,
+    ):
         """
-        Load locally accumulated gradients, divided by the number of micro-steps, into the averager's shared CPU
-        buffers: one bulk copy (and one scale) per bucket.
+        Average accumulated gradients with peers, as upstream's ``GradientAverager.step`` (same parameters), with one
+        difference: before the accumulators are reset, this round's local gradients are kept on the host. If the
+        round then fails (the all-reduce raises or times out), the next ``load_accumulators_into_averager_`` (which
+        ``hivemind.Optimizer`` calls to "proceed with local gradients") restores them instead of loading the
+        already-reset accumulators, so the epoch's local work is not lost. Extra cost: one host copy per round.
         """
-        if self.reuse_grad_buffers:
-            self._attach_grads_()
-        grad_scale = (1.0 / self.local_times_accumulated) if self.local_times_accumulated != 0 else 0.0
-        with self.get_tensors() as averaged_grads:
-            self._accumulators.scaled_copy_to_(
-                self._averaged_buckets if self._averaged_buckets is not None else averaged_grads, grad_scale
-            )
+        self._fallback_pending = False
+        return super().step(
+            weight=weight, reset_accumulators=reset_accumulators, control=control, timeout=timeout, wait=wait, **kwargs
+        )
 
     @torch.no_grad()
     def reset_accumulated_grads_(self):
         """reset the accumulators (one ``zero_`` per bucket) and the micro-step counters"""
+        if self._accumulators_used_in_step:  # called by step(): the round's local gradients are in the averager
+            self._save_local_fallback()
         self._accumulators_used_in_step = False
         self.local_samples_accumulated = self.local_times_accumulated = 0
         self._anchor_batch_size = None
@@ -193,6 +209,41 @@ class GradientAverager(upstream.GradientAverager):
                 param.grad = view
         self._accumulators.zero_()
 
+    def _save_local_fallback(self) -> None:
+        with self.get_tensors() as averaged_grads:
+            if self._averaged_buckets is not None:
+                self._averaged_buckets.scaled_copy_to_(self._local_fallback, 1.0)
+            else:
+                torch._foreach_copy_(list(self._local_fallback.views), list(averaged_grads))
+        self._fallback_pending = True
+
+    @torch.no_grad()
+    def load_accumulators_into_averager_(self):
+        """
+        Load locally accumulated gradients, divided by the number of micro-steps, into the averager's shared CPU
+        buffers: one bulk copy (and one scale) per bucket. If the last ``step`` reset the accumulators and its
+        result was not used yet (the round failed), load that round's local gradients instead.
+        """
+        if self._fallback_pending:
+            logger.info("Averaging round was not used: loading this round's local gradients, kept since step()")
+            self._fallback_pending = False
+            with self.get_tensors() as averaged_grads:
+                self._local_fallback.scaled_copy_to_(
+                    self._averaged_buckets if self._averaged_buckets is not None else averaged_grads, 1.0
+                )
+            return
+        if self.reuse_grad_buffers:
+            self._attach_grads_()
+        grad_scale = (1.0 / self.local_times_accumulated) if self.local_times_accumulated != 0 else 0.0
+        with self.get_tensors() as averaged_grads:
+            self._accumulators.scaled_copy_to_(
+                self._averaged_buckets if self._averaged_buckets is not None else averaged_grads, grad_scale
+            )
+
+    def notify_used_averaged_gradients(self):
+        """Notify averager that the results of a previous averaging round are accounted for"""
+        self._fallback_pending = False
+        super().notify_used_averaged_gradients()
 
 def _check_averaged_grads(parameters: Sequence[torch.Tensor], averaged_grads: Sequence[torch.Tensor]) -> None:
     if len(averaged_grads) != len(parameters):
