@@ -2,3 +2,5 @@
 from hivemind_accum.optim import GradientAverager, Optimizer, PowerSGDGradientAverager
 
 __version__ = "0.1.0"
+
+__all__ = ["GradientAverager", "Optimizer", "PowerSGDGradientAverager"]

@@ -2,7 +2,6 @@
 import copy
 import random
 
-import hivemind
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,7 +115,6 @@ def test_two_peers_average_like_upstream(factory):
                 models.append(model)
                 averagers.append(cls(model.parameters(), dht=dht, prefix=impl, target_group_size=2, start=True, **extra))
         with shutting_down(*averagers):
-            samples_and_times = [(3 * 2 + 5, 3), (2 * 4, 2)]  # peer 0: batches 2,2,... peer 1
             batches = [[2, 2, 7], [4, 4]]
             for peer in range(2):
                 generator = torch.Generator().manual_seed(peer)

@@ -75,7 +75,6 @@ def test_in_place_zeroing_a_view_discards_the_epoch_and_unequal_batches_warn_onc
 
 @pytest.mark.forked
 def test_in_place_two_peers_average_sample_weighted():
-    shape = (4, 3)
     with swarm(2) as dhts:
         models = [torch.nn.Linear(3, 4) for _ in dhts]
         for model in models[1:]:

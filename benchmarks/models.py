@@ -1,0 +1,41 @@
+"""
+Models the benchmarks time: stacks of Linear layers of a chosen size, and ResNet-152 and ConvNeXt-Large built from
+the ``transformers`` library's configurations (random initialization, no weight download).
+"""
+import torch
+
+
+def build_model(name: str) -> torch.nn.Module:
+    """
+    :param name: ``linear-<N>m`` (a stack of 2048-wide Linear layers with about N million parameters),
+      ``resnet152`` or ``convnext-large`` (transformers' ResNet-152 and ConvNeXt-Large configs, random weights)
+    :returns: the model, taking a batch of inputs from :func:`make_inputs` and returning logits
+    """
+    if name.startswith("linear-"):
+        width = 2048
+        layers = max(1, round(float(name[len("linear-") : -1]) * 1e6 / (width * width + width)))
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(layers)])
+    from transformers import ConvNextConfig, ConvNextForImageClassification, ResNetConfig, ResNetForImageClassification
+
+    if name == "resnet152":
+        config = ResNetConfig(depths=[3, 8, 36, 3], layer_type="bottleneck", hidden_sizes=[256, 512, 1024, 2048], num_labels=10)
+        return _Logits(ResNetForImageClassification(config))
+    if name == "convnext-large":
+        config = ConvNextConfig(depths=[3, 3, 27, 3], hidden_sizes=[192, 384, 768, 1536], num_labels=10)
+        return _Logits(ConvNextForImageClassification(config))
+    raise ValueError(f"model: unknown name {name!r}; use linear-<N>m, resnet152 or convnext-large")
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=pixels).logits
+
+
+def make_inputs(name: str, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    if name.startswith("linear-"):
+        return torch.randn(batch_size, 2048, generator=generator)
+    return torch.randn(batch_size, 3, 32, 32, generator=generator)
