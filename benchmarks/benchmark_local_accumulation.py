@@ -609,7 +609,7 @@ def run_large(args: argparse.Namespace) -> None:
     """time ResNet-152 and ConvNeXt-Large with every accumulation implementation (one fresh process each)"""
     from benchmarks.sweep import machine_description, markdown_table, run_sweep, summarize as summarize_sweep
 
-    results = run_sweep(LARGE_MODELS, rounds=1, steps=6, warmup=2, batch_size=4, threads=1)
+    results = run_sweep(LARGE_MODELS, rounds=1, steps=6, warmup=4, batch_size=4, threads=1)
     rows = summarize_sweep(results)
     print(f"\nMeasured on: {machine_description(1)}\n\n{markdown_table(rows)}", flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)

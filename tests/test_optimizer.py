@@ -10,7 +10,11 @@ import hivemind_accum
 
 
 def _train_one_peer(optimizer_cls_name: str, reuse_grad_buffers: bool, offload: bool, zero_grad: bool, result_queue):
-    optimizer_cls = dict(upstream=hivemind.Optimizer, ours=hivemind_accum.Optimizer)[optimizer_cls_name]
+    optimizer_cls = dict(upstream=hivemind.Optimizer, ours=hivemind_accum.Optimizer, patched=hivemind.Optimizer)[
+        optimizer_cls_name
+    ]
+    if optimizer_cls_name == "patched":
+        hivemind_accum.patch_hivemind()  # a training loop written against plain hivemind.Optimizer
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     dht = hivemind.DHT(start=True)
@@ -32,7 +36,8 @@ def _train_one_peer(optimizer_cls_name: str, reuse_grad_buffers: bool, offload: 
             F.cross_entropy(model(x), y).backward()
             opt.step()
             epochs.append(opt.local_epoch)
-        result_queue.put((epochs, initial, [p.detach().clone() for p in model.parameters()]))
+        averager = f"{type(opt.grad_averager).__module__}.{type(opt.grad_averager).__name__}"
+        result_queue.put((epochs, initial, [p.detach().clone() for p in model.parameters()], averager))
     finally:
         opt.shutdown()
         dht.shutdown()
@@ -43,8 +48,10 @@ def train_one_peer(name: str, reuse_grad_buffers: bool = False, offload: bool = 
     queue = ctx.Queue()
     process = ctx.Process(target=_train_one_peer, args=(name, reuse_grad_buffers, offload, zero_grad, queue))
     process.start()
-    result = queue.get(timeout=120)
+    *result, averager = queue.get(timeout=120)
     process.join(timeout=60)
+    expected = "hivemind.optim.grad_averager" if name == "upstream" else "hivemind_accum.optim.grad_averager"
+    assert averager == expected + ".GradientAverager"
     return result
 
 
@@ -85,3 +92,21 @@ def test_optimizer_uses_hivemind_accum_averager():
     finally:
         opt.shutdown()
         dht.shutdown()
+
+
+@pytest.mark.forked
+def test_patch_hivemind_switches_plain_hivemind_optimizer():
+    """after patch_hivemind(), plain hivemind.Optimizer(reuse_grad_buffers=True) accumulates in hivemind_accum's
+    averager (train_one_peer checks its type), accepts zero_grad() and trains like upstream's in-place run"""
+    ref_epochs, _, ref_params = train_one_peer("upstream", reuse_grad_buffers=True, zero_grad=False)
+    epochs, _, params = train_one_peer("patched", reuse_grad_buffers=True, zero_grad=True)
+    assert epochs == ref_epochs and epochs[-1] >= 3
+    for ours, ref in zip(params, ref_params, strict=True):
+        torch.testing.assert_close(ours, ref)
+
+    upstream_default = hivemind.optim.optimizer.GradientAverager
+    hivemind_accum.patch_hivemind()
+    assert hivemind_accum.is_patched() and hivemind.optim.optimizer.GradientAverager is hivemind_accum.GradientAverager
+    hivemind_accum.unpatch_hivemind()
+    assert not hivemind_accum.is_patched() and hivemind.optim.optimizer.GradientAverager is upstream_default
+    assert hivemind.Optimizer.zero_grad is not hivemind_accum.Optimizer.zero_grad
