@@ -133,14 +133,15 @@ def plot(rows: List[dict], output_dir: str, title_suffix: str) -> List[str]:
     import matplotlib.pyplot as plt
 
     paths = []
+    colors = dict(zip(IMPLEMENTATIONS, ("tab:gray", "tab:red", "tab:blue", "tab:green")))
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for impl in IMPLEMENTATIONS[1:]:
         points = sorted((r["params_m"], r["no_sync_step_ms"]) for r in rows if r["impl"] == impl and r["no_sync_step_ms"])
         if points:
-            ax.plot(*zip(*points), marker="o", label=impl)
+            ax.plot(*zip(*points), marker="o", label=impl, color=colors[impl])
     ax.set_xlabel("parameters (millions)")
-    ax.set_ylabel("no-sync opt.step() time, ms (median)")
-    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_ylabel("no-sync opt.step() time, ms (median, log scale)")
+    ax.set_yscale("log")
     ax.set_title(f"No-sync step time vs model size ({title_suffix})")
     ax.legend()
     ax.grid(alpha=0.3)
@@ -155,13 +156,14 @@ def plot(rows: List[dict], output_dir: str, title_suffix: str) -> List[str]:
     width = 0.8 / len(impls)
     for k, impl in enumerate(impls):
         values = [next((r["throughput_vs_native"] for r in rows if r["model"] == m and r["impl"] == impl), 0) for m in models]
-        bars = ax.bar([i + k * width for i in range(len(models))], [100 * v for v in values], width, label=impl)
+        bars = ax.bar([i + k * width for i in range(len(models))], [100 * v for v in values], width, label=impl,
+                      color=colors[impl])
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
     ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(models))], models)
     ax.set_ylabel("local throughput, % of native PyTorch accumulation")
     ax.set_title(f"Local throughput relative to native ({title_suffix})")
     ax.axhline(100, color="gray", lw=0.8)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     paths.append(os.path.join(output_dir, "throughput_vs_native.png"))
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=120)

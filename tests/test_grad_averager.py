@@ -97,10 +97,13 @@ def test_user_averaged_grads_and_accumulate_on(dht):
 
 
 @pytest.mark.forked
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True], ids=["exact", "in_place"])
 @pytest.mark.parametrize("factory", ["grad", "powersgd"])
-def test_two_peers_average_like_upstream(factory):
+def test_two_peers_average_like_upstream(factory, reuse_grad_buffers):
     """two peers of ours and two of upstream's, fed the same gradients, end with the same averaged gradients: the
-    sample-weighted mean of each peer's accumulated gradient divided by its number of micro-steps"""
+    sample-weighted mean of each peer's accumulated gradient divided by its number of micro-steps. In-place mode is
+    compared with upstream's reuse_grad_buffers=True, whose loop must not zero gradients (ours may), with equal
+    batch sizes (upstream's in-place mode ignores batch sizes when weighting micro-steps)"""
     if factory == "grad":
         ours_cls, ref_cls, extra = GradientAverager, UpstreamGradientAverager, {}
     else:
@@ -111,23 +114,29 @@ def test_two_peers_average_like_upstream(factory):
         models, averagers = [], []
         for impl, cls in (("ours", ours_cls), ("ref", ref_cls)):
             for dht in dhts:
-                model = torch.nn.ParameterDict(dict(w=torch.nn.Parameter(torch.zeros(shape)), b=torch.nn.Parameter(torch.zeros(5))))
+                model = torch.nn.ParameterDict(
+                    dict(w=torch.nn.Parameter(torch.zeros(shape)), b=torch.nn.Parameter(torch.zeros(5)))
+                )
                 models.append(model)
-                averagers.append(cls(model.parameters(), dht=dht, prefix=impl, target_group_size=2, start=True, **extra))
+                averagers.append(cls(model.parameters(), dht=dht, prefix=impl, target_group_size=2,
+                                     reuse_grad_buffers=reuse_grad_buffers, start=True, **extra))
         with shutting_down(*averagers):
-            batches = [[2, 2, 7], [4, 4]]
+            batches = [[3, 3, 3], [4, 4]] if reuse_grad_buffers else [[2, 2, 7], [4, 4]]
             for peer in range(2):
                 generator = torch.Generator().manual_seed(peer)
-                targets = [(torch.randn(shape, generator=generator), torch.randn(5, generator=generator)) for _ in batches[peer]]
+                targets = [(torch.randn(shape, generator=generator), torch.randn(5, generator=generator))
+                           for _ in batches[peer]]
                 for impl in range(2):
                     model, averager = models[2 * impl + peer], averagers[2 * impl + peer]
                     for batch_size, (tw, tb) in zip(batches[peer], targets):
-                        model.zero_grad()
+                        if not (reuse_grad_buffers and impl == 1):
+                            model.zero_grad()
                         (F.mse_loss(model["w"], tw) + F.mse_loss(model["b"], tb)).backward()
                         averager.accumulate_grads_(batch_size=batch_size)
-            local = [[acc.clone() / averager.local_times_accumulated for acc in averager._grad_accumulators()] for averager in averagers[:2]]
+            local = [[acc.clone() / averager.local_times_accumulated for acc in averager._grad_accumulators()]
+                     for averager in averagers[:2]]
             weights = [averager.local_samples_accumulated for averager in averagers[:2]]
-            assert weights == [11, 8]
+            assert weights == [sum(batches[0]), sum(batches[1])]
             controls = [averager.step(wait=False, timeout=30) for averager in averagers]
             for control in controls:
                 assert control.result(timeout=60) is not None
@@ -138,6 +147,7 @@ def test_two_peers_average_like_upstream(factory):
             for peer in range(2):
                 for ours, ref in zip(ours_avg[peer], ref_avg[peer], strict=True):
                     torch.testing.assert_close(ours, ref)
+                    assert ours.abs().sum() > 0
             if factory == "grad":
                 expected = [(weights[0] * g0 + weights[1] * g1) / sum(weights) for g0, g1 in zip(*local)]
                 for peer in range(2):

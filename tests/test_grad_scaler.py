@@ -22,13 +22,18 @@ def batches():
             for _ in range(MICRO_STEPS * EPOCHS)]
 
 
-def native_reference():
+def forward_loss(model, x, y, autocast_dtype):
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        return F.cross_entropy(model(x).float(), y)
+
+
+def native_reference(autocast_dtype=None):
     """native accumulation with a plain scaler: K scaled backwards of loss / K, one unscale and step per epoch"""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
     for i, (x, y) in enumerate(batches()):
-        scaler.scale(F.cross_entropy(model(x), y) / MICRO_STEPS).backward()
+        scaler.scale(forward_loss(model, x, y, autocast_dtype) / MICRO_STEPS).backward()
         if (i + 1) % MICRO_STEPS == 0:
             scaler.step(opt)
             scaler.update()
@@ -36,7 +41,7 @@ def native_reference():
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _hivemind_run(scaler_kind: str, queue):
+def _hivemind_run(scaler_kind: str, autocast_dtype, queue):
     model = make_model()
     dht = hivemind.DHT(start=True)
     opt = hivemind_accum.Optimizer(
@@ -51,7 +56,7 @@ def _hivemind_run(scaler_kind: str, queue):
     try:
         for x, y in batches():
             # the training loop of a framework that unscales before clipping on every optimizer call
-            scaler.scale(F.cross_entropy(model(x), y)).backward()
+            scaler.scale(forward_loss(model, x, y, autocast_dtype)).backward()
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
             scaler.step(opt)
@@ -64,10 +69,10 @@ def _hivemind_run(scaler_kind: str, queue):
         dht.shutdown()
 
 
-def hivemind_run(scaler_kind: str):
+def hivemind_run(scaler_kind: str, autocast_dtype=None):
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    process = ctx.Process(target=_hivemind_run, args=(scaler_kind, queue))
+    process = ctx.Process(target=_hivemind_run, args=(scaler_kind, autocast_dtype, queue))
     process.start()
     result = queue.get(timeout=120)
     process.join(timeout=60)
@@ -75,13 +80,14 @@ def hivemind_run(scaler_kind: str):
 
 
 @pytest.mark.forked
-def test_in_place_with_hivemind_grad_scaler_unscales_once_per_epoch():
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_in_place_with_hivemind_grad_scaler_unscales_once_per_epoch(autocast_dtype):
     """regression test for the report that reuse_grad_buffers=True with AMP could unscale the same accumulated
-    buffer more than once: a loop calling unscale_ on every micro-step still trains exactly like native
+    buffer more than once: a loop calling unscale_ on every micro-step, under CPU autocast, still trains like native
     accumulation of the unscaled gradients"""
-    epoch, params = hivemind_run("hivemind")
+    epoch, params = hivemind_run("hivemind", autocast_dtype)
     assert epoch == EPOCHS
-    expected = native_reference()
+    expected = native_reference(autocast_dtype)
     initial = list(make_model().parameters())
     for ours, ref, start in zip(params, expected, initial, strict=True):
         torch.testing.assert_close(ours, ref)

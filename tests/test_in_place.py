@@ -110,3 +110,22 @@ def test_in_place_two_peers_average_sample_weighted():
                         torch.testing.assert_close(param.grad, exp)
                 assert all(p.grad is v for p, v in zip(model.parameters(), averager._grad_accumulators()))
                 assert all(v.count_nonzero() == 0 for v in averager._grad_accumulators())
+
+
+@pytest.mark.forked
+def test_in_place_gradient_memory_equals_native(dht):
+    """in-place mode keeps no gradient memory beyond native accumulation's: every .grad lives inside the buckets,
+    whose total size is exactly that of native's .grad tensors (the averager's shared buffers live on the host)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.Flatten(), torch.nn.Linear(16, 3))
+    model[0].double()
+    native = copy.deepcopy(model)
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="memory", reuse_grad_buffers=True, start=False)
+    images = torch.randn(4, 2, 4, 4)
+    for module in model, native:
+        module[2](module[1](module[0](images.double())).float()).square().mean().backward()
+    averager.accumulate_grads_(batch_size=4)
+    bucket_storages = {b.flat.untyped_storage().data_ptr() for b in averager._accumulators.buckets}
+    assert {p.grad.untyped_storage().data_ptr() for p in model.parameters()} == bucket_storages
+    bucket_bytes = sum(b.flat.untyped_storage().nbytes() for b in averager._accumulators.buckets)
+    assert bucket_bytes == sum(p.grad.untyped_storage().nbytes() for p in native.parameters())
