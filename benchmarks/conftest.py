@@ -3,13 +3,24 @@ import os
 from typing import Dict, List
 
 import pytest
+from pytest_benchmark.utils import get_tag
 
 from benchmarks.sweep import DEFAULT_MODELS, run_sweep
 
 BENCH_MODELS = tuple(os.environ.get("HIVEMIND_ACCUM_BENCH_MODELS", " ".join(DEFAULT_MODELS)).split())
-BENCH_ROUNDS = int(os.environ.get("HIVEMIND_ACCUM_BENCH_ROUNDS", "2"))
+BENCH_ROUNDS = int(os.environ.get("HIVEMIND_ACCUM_BENCH_ROUNDS", "3"))
 
 _sweeps: Dict[str, Dict[str, List[dict]]] = {}
+RESULTS_STORAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pytest-benchmark")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """save every benchmark run, with its samples, under benchmarks/results/ (for ``--benchmark-compare``)"""
+    config.option.benchmark_autosave = config.option.benchmark_autosave or get_tag()  # what --benchmark-autosave stores
+    config.option.benchmark_save_data = True
+    if config.option.benchmark_storage in (None, "file://./.benchmarks"):
+        config.option.benchmark_storage = f"file://{RESULTS_STORAGE}"
 
 
 @pytest.fixture(scope="session")

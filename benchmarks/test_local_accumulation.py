@@ -17,6 +17,8 @@ import pytest
 from benchmarks.conftest import BENCH_MODELS, record_samples
 from benchmarks.sweep import pooled
 
+pytestmark = pytest.mark.timeout(3600)  # the first test of each model runs that model's whole sweep
+
 MICRO_STEP_TARGETS = {"exact": 1.15, "inplace": 1.03}
 IN_PLACE_NO_SYNC_TARGET_S = 1e-3
 

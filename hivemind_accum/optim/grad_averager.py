@@ -64,6 +64,8 @@ class GradientAverager(upstream.GradientAverager):
     :raises ValueError: naming the parameter, for an empty or invalid ``parameters`` or a wrong ``averaged_grads``
     """
 
+    keep_local_fallback: bool = True  # see step(); subclasses whose all-reduce keeps state of its own may opt out
+
     def __init__(
         self,
         parameters: Iterable[torch.nn.Parameter],
@@ -104,8 +106,9 @@ class GradientAverager(upstream.GradientAverager):
             self._averaged_buckets = GradientBuckets(self.parameters, device="cpu", share_memory=True)
             averaged_grads = self._averaged_buckets.views
         # this round's local gradients (as loaded into the averager), kept on the host until the round's result is
-        # used: if the all-reduce fails after the accumulators were reset, the optimizer falls back to these
-        self._local_fallback = GradientBuckets(self.parameters, device="cpu")
+        # used: if the all-reduce fails after the accumulators were reset, the optimizer falls back to these;
+        # allocated at the first round
+        self._local_fallback: Optional[GradientBuckets] = None
         self._fallback_pending = False
         DecentralizedAverager.__init__(
             self, averaged_tensors=averaged_grads, dht=dht, prefix=prefix, client_mode=client_mode, **kwargs
@@ -116,7 +119,6 @@ class GradientAverager(upstream.GradientAverager):
         """per-parameter views of the accumulators (in in-place mode, the same tensors as ``param.grad``)"""
         yield from self._accumulators.views
 
-    @torch.no_grad()
     def _attach_grads_(self) -> None:
         """in-place mode: add every ``.grad`` that is not its accumulator view into the view, then re-attach the view;
         while all views are attached this only compares object identities, no tensor work"""
@@ -198,8 +200,8 @@ class GradientAverager(upstream.GradientAverager):
     @torch.no_grad()
     def reset_accumulated_grads_(self):
         """reset the accumulators (one ``zero_`` per bucket) and the micro-step counters"""
-        if self._accumulators_used_in_step:  # called by step(): the round's local gradients are in the averager
-            self._save_local_fallback()
+        if self._accumulators_used_in_step and self.keep_local_fallback:
+            self._save_local_fallback()  # called by step(): the round's local gradients are in the averager
         self._accumulators_used_in_step = False
         self.local_samples_accumulated = self.local_times_accumulated = 0
         self._anchor_batch_size = None
@@ -210,6 +212,8 @@ class GradientAverager(upstream.GradientAverager):
         self._accumulators.zero_()
 
     def _save_local_fallback(self) -> None:
+        if self._local_fallback is None:
+            self._local_fallback = GradientBuckets(self.parameters, device="cpu")
         with self.get_tensors() as averaged_grads:
             if self._averaged_buckets is not None:
                 self._averaged_buckets.scaled_copy_to_(self._local_fallback, 1.0)

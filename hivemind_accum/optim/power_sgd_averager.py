@@ -18,4 +18,11 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
     reuse_grad_buffers, accumulate_grads_on, client_mode, warn, min_compression_ratio, averaged_grads, **kwargs``);
     see :class:`hivemind.optim.power_sgd_averager.PowerSGDGradientAverager` for PowerSGD's parameters and
     :class:`hivemind_accum.optim.grad_averager.GradientAverager` for the two accumulation modes.
+
+    Unlike :class:`~hivemind_accum.optim.grad_averager.GradientAverager`, a failed round does not fall back to the
+    round's local gradients (``keep_local_fallback = False``), as upstream: PowerSGD adds the round's gradients into
+    its error-feedback buffers at the start of the all-reduce, so they reach a later round through error feedback, and
+    applying them now as well would count them twice.
     """
+
+    keep_local_fallback = False
