@@ -64,3 +64,52 @@ def test_sparse_gradients_accumulate_densely(dht, reuse_grad_buffers):
     with averager.get_tensors() as (ours,), upstream.get_tensors() as (ref,):
         torch.testing.assert_close(ours, ref)
         assert ours.count_nonzero() > 0
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True], ids=["exact", "in_place"])
+def test_unusual_parameters_frozen_midway_non_contiguous_and_nan(dht, reuse_grad_buffers):
+    """non-contiguous parameters (a transposed one and a strided slice), a layer frozen and unfrozen mid-epoch and a
+    NaN gradient: exact mode matches upstream, in-place mode matches native accumulation; the NaN is kept, never
+    silently dropped"""
+    torch.manual_seed(0)
+    transposed = torch.nn.Parameter(torch.randn(4, 3).t())  # strides (1, 3): dense, kept by the views
+    strided = torch.nn.Parameter(torch.randn(4, 8)[:, ::2])  # not dense: its views are contiguous
+    layer = torch.nn.Linear(4, 2)
+    params = [transposed, strided, *layer.parameters()]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def loss(ps, x):
+        return torch.nn.functional.linear((x @ ps[0]) @ ps[1], ps[2], ps[3]).square().sum()
+
+    averager = GradientAverager(params, dht=dht, prefix="e", reuse_grad_buffers=reuse_grad_buffers, start=False)
+    upstream = UpstreamGradientAverager(reference, dht=dht, prefix="u", start=False)
+    native = [torch.zeros_like(p) for p in reference]
+    generator = torch.Generator().manual_seed(1)
+    for step in range(4):
+        frozen = step in (1, 2)
+        for ps in params, reference:
+            ps[2].requires_grad_(not frozen)
+            ps[3].requires_grad_(not frozen)
+        x = torch.randn(2, 3, generator=generator)
+        if not reuse_grad_buffers:
+            for p in params:
+                p.grad = None
+        for p in reference:
+            p.grad = None
+        loss(params, x).backward()
+        loss(reference, x).backward()
+        if step == 3:
+            for ps in params, reference:
+                ps[3].grad[0] = float("nan")  # a NaN gradient in the last micro-step
+        native = [n + (torch.zeros_like(n) if p.grad is None else p.grad) for n, p in zip(native, reference)]
+        averager.accumulate_grads_(batch_size=2)
+        upstream.accumulate_grads_(batch_size=2)
+    averager.load_accumulators_into_averager_()
+    upstream.load_accumulators_into_averager_()
+    with averager.get_tensors() as ours, upstream.get_tensors() as ref:
+        expected = ref if not reuse_grad_buffers else [n / 4 for n in native]
+        for o, e in zip(ours, expected, strict=True):
+            torch.testing.assert_close(o, e, equal_nan=True)
+        assert ours[3][0].isnan() and not ours[2].isnan().any()
+    assert averager._grad_accumulators().__next__().stride() == (1, 3)
