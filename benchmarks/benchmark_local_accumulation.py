@@ -368,6 +368,7 @@ def train_hivemind_peer(config: RunConfig, peer_index: int, bootstrap: mp.Queue,
             delay_state_averaging=True,
             use_local_updates=False,
             verbose=False,
+            averager_opts=dict(request_timeout=config.matchmaking_time / 2),  # hivemind warns unless below
         )
         barrier.wait(timeout=300)  # start training together
 

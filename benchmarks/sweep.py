@@ -5,7 +5,7 @@ results as JSON, a markdown table and the slowdown report's two figures.
 Processes alternate between implementations round by round (native, upstream, exact, inplace, then the reverse
 order), so slow drift of the machine spreads over all of them; every reported number is a median over all measured
 micro-steps of all rounds. One process runs one configuration: a training process never mixes variants, and
-allocator state left by one variant would hide another's cost (see ../shared/DESIGN.md).
+allocator state left by one variant would hide another's cost.
 
 Every worker runs with the same glibc allocator settings (:data:`MALLOC_ENV`): a large mmap threshold and trim
 threshold, so freed memory stays in the heap. With glibc's defaults the result depends on which process happens to
@@ -180,13 +180,14 @@ def machine_description(threads: int) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
-    parser.add_argument("--rounds", type=int, default=2, help="fresh processes per implementation, alternating")
-    parser.add_argument("--steps", type=int, default=6, help="measured micro-steps per process")
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--output-dir", default=RESULTS_DIR)
+    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS),
+                        help="linear-<N>m, resnet152, convnext-large (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2, help="fresh processes per implementation, alternating (default: 2)")
+    parser.add_argument("--steps", type=int, default=6, help="measured micro-steps per process (default: 6)")
+    parser.add_argument("--warmup", type=int, default=4, help="micro-steps before measuring (default: 4)")
+    parser.add_argument("--batch-size", type=int, default=4, help="samples per micro-batch (default: 4)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker (default: 1)")
+    parser.add_argument("--output-dir", default=RESULTS_DIR, help="where to write sweep_cpu.{json,md} and the plots")
     args = parser.parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
     results = run_sweep(args.models, IMPLEMENTATIONS, args.rounds, args.steps, args.warmup, args.batch_size, args.threads)

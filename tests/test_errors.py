@@ -15,6 +15,9 @@ def test_averaged_grads_of_wrong_shape_or_length(dht):
         GradientAverager(model.parameters(), dht=dht, prefix="e", averaged_grads=[torch.zeros(2, 3), torch.zeros(3)])
     with pytest.raises(ValueError, match=r"averaged_grads: expected one tensor per parameter \(2\), got 1"):
         GradientAverager(model.parameters(), dht=dht, prefix="e", averaged_grads=[torch.zeros(2, 3)])
+    with pytest.raises(ValueError, match=r"averaged_grads\[0\]"):
+        GradientAverager(model.parameters(), dht=dht, prefix="e", reuse_grad_buffers=True, averaged_grads=[torch.zeros(3, 2), torch.zeros(2)])
+    assert all(p.grad is None for p in model.parameters())  # a failed constructor leaves the model untouched
 
 
 @pytest.mark.forked

@@ -93,14 +93,15 @@ class GradientAverager(upstream.GradientAverager):
         self._accumulators_used_in_step = False
         self._new_averaged_grads = False
 
+        averaged_grads = tuple(averaged_grads or ())
+        if averaged_grads:
+            _check_averaged_grads(self.parameters, averaged_grads)
         self._accumulators = GradientBuckets(self.parameters, device=accumulate_grads_on)
         self._local_accumulators = self._accumulators.views  # upstream's name, read by hivemind's own code
         if reuse_grad_buffers:
             self._attach_grads_()
 
-        averaged_grads = tuple(averaged_grads or ())
         if averaged_grads:
-            _check_averaged_grads(self.parameters, averaged_grads)
             self._averaged_buckets = None
         else:
             self._averaged_buckets = GradientBuckets(self.parameters, device="cpu", share_memory=True)
@@ -113,6 +114,10 @@ class GradientAverager(upstream.GradientAverager):
         DecentralizedAverager.__init__(
             self, averaged_tensors=averaged_grads, dht=dht, prefix=prefix, client_mode=client_mode, **kwargs
         )
+
+    def __del__(self):
+        if hasattr(self, "_parent_pid"):  # a constructor that raised before DecentralizedAverager.__init__ ran
+            super().__del__()
 
     @torch.no_grad()
     def _grad_accumulators(self) -> Iterator[torch.Tensor]:
@@ -142,10 +147,13 @@ class GradientAverager(upstream.GradientAverager):
         parameters whose ``.grad`` is None contribute nothing.
 
         In-place mode: autograd has already accumulated into the views, so while every ``.grad`` is still its view
-        this does no tensor work. A ``.grad`` that was set to None or replaced since the previous call (e.g. by
-        ``zero_grad(set_to_none=True)``) holds only the gradients computed since then: it is added into the
-        accumulator and the view is re-attached, so nothing is lost or counted twice. Zeroing a view in place
-        (``zero_grad(set_to_none=False)``) discards the accumulated sum, as it would in native PyTorch.
+        this does no tensor work. A ``.grad`` that was set to None since the previous call (e.g. by
+        ``zero_grad(set_to_none=True)``, before or after ``backward()``) holds only the gradients computed since
+        then: it is added into the accumulator and the view is re-attached, so nothing is lost or counted twice.
+        The same holds for a ``.grad`` replaced by a tensor of new gradients, but not for one computed from the old
+        ``.grad`` (``p.grad = p.grad * c``, out-of-place clipping or casting): that tensor already contains the
+        accumulated sum, which would then count twice; edit ``.grad`` in place or use the exact mode. Zeroing a view
+        in place (``zero_grad(set_to_none=False)``) discards the accumulated sum, as it would in native PyTorch.
 
         :param batch_size: number of samples in this micro-batch, a positive integer
         :raises ValueError: if ``batch_size`` is not a positive integer
