@@ -240,22 +240,23 @@ class GradientAverager(upstream.GradientAverager):
             logger.info("Averaging round was not used: loading this round's local gradients, kept since step()")
             self._fallback_pending = False
             with self.get_tensors() as averaged_grads:
-                self._local_fallback.scaled_copy_to_(
-                    self._averaged_buckets if self._averaged_buckets is not None else averaged_grads, 1.0
-                )
+                self._local_fallback.scaled_copy_to_(self._averaged_target(averaged_grads), 1.0)
             return
         if self.reuse_grad_buffers:
             self._attach_grads_()
         grad_scale = (1.0 / self.local_times_accumulated) if self.local_times_accumulated != 0 else 0.0
         with self.get_tensors() as averaged_grads:
-            self._accumulators.scaled_copy_to_(
-                self._averaged_buckets if self._averaged_buckets is not None else averaged_grads, grad_scale
-            )
+            self._accumulators.scaled_copy_to_(self._averaged_target(averaged_grads), grad_scale)
 
     def notify_used_averaged_gradients(self):
         """Notify averager that the results of a previous averaging round are accounted for"""
         self._fallback_pending = False
         super().notify_used_averaged_gradients()
+
+    def _averaged_target(self, averaged_grads: Sequence[torch.Tensor]):
+        """the averager's buffers as a copy destination: flat buckets when this averager made them, else the list"""
+        return self._averaged_buckets if self._averaged_buckets is not None else averaged_grads
+
 
 def _check_averaged_grads(parameters: Sequence[torch.Tensor], averaged_grads: Sequence[torch.Tensor]) -> None:
     if len(averaged_grads) != len(parameters):
