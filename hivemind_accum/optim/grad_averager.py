@@ -160,15 +160,14 @@ class GradientAverager(upstream.GradientAverager):
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size <= 0:
             raise ValueError(f"batch_size: expected a positive int (samples in this micro-batch), got {batch_size!r}")
-        if self._accumulators_used_in_step and self.warn:
+        if self._accumulators_used_in_step and self.warn:  # same warning as upstream's, once per round
             logger.warning(
                 "[warn=True] Gradient accumulators were not reset since the last averaging round. Please "
                 "call .reset_accumulated_grads_ after every step or use .step(reset_accumulators=True)"
             )
             self._accumulators_used_in_step = False  # warn once per round
         if self._anchor_batch_size is None:
-            # remember the first batch size to correctly re-scale gradients if subsequent batches have a different size
-            self._anchor_batch_size = batch_size
+            self._anchor_batch_size = batch_size  # upstream's weighting: micro-step i counts b_i / b_0
         self.local_samples_accumulated += batch_size
         self.local_times_accumulated += 1
         if self.reuse_grad_buffers:
