@@ -116,3 +116,19 @@ def test_unusual_parameters_frozen_midway_non_contiguous_and_nan(dht, reuse_grad
             torch.testing.assert_close(o, e, equal_nan=True)
         assert ours[3][0].isnan() and not ours[2].isnan().any()
     assert averager._grad_accumulators().__next__().stride() == (1, 3)
+
+
+@pytest.mark.forked
+def test_averaging_after_shutdown_is_a_clear_error_local_accumulation_still_works(dht):
+    model = torch.nn.Linear(3, 2)
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="e", start=True)
+    averager.shutdown()
+    model(torch.ones(1, 3)).sum().backward()
+    averager.accumulate_grads_(batch_size=1)
+    for call in (lambda: averager.step(timeout=1), lambda: averager.schedule_step()):
+        with pytest.raises(RuntimeError, match="the averager is not running"):
+            call()
+    averager.load_accumulators_into_averager_()
+    with averager.get_tensors() as (weight, bias):
+        torch.testing.assert_close(weight, torch.ones(2, 3))
+        torch.testing.assert_close(bias, torch.ones(2))

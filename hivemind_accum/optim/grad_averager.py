@@ -199,10 +199,24 @@ class GradientAverager(upstream.GradientAverager):
         ``hivemind.Optimizer`` calls to "proceed with local gradients") restores them instead of loading the
         already-reset accumulators, so the epoch's local work is not lost. Extra cost: one host copy per round.
         """
+        self._check_running("step")
         self._fallback_pending = False
         return super().step(
             weight=weight, reset_accumulators=reset_accumulators, control=control, timeout=timeout, wait=wait, **kwargs
         )
+
+    def schedule_step(self, scheduled_time: Optional[float] = None, **kwargs) -> StepControl:
+        """as upstream's ``schedule_step``; raises a clear ``RuntimeError`` if the averager is not running"""
+        self._check_running("schedule_step")
+        return super().schedule_step(scheduled_time, **kwargs)
+
+    def _check_running(self, method: str) -> None:
+        if not self.is_alive():
+            raise RuntimeError(
+                f"{type(self).__name__}.{method}: the averager is not running (it was shut down, or built with "
+                f"start=False and never started); call run_in_background() first or build a new averager. Local "
+                f"accumulation (accumulate_grads_, load_accumulators_into_averager_) works without it"
+            )
 
     @torch.no_grad()
     def reset_accumulated_grads_(self):
