@@ -235,11 +235,8 @@ class GradientAverager(upstream.GradientAverager):
     def _save_local_fallback(self) -> None:
         if self._local_fallback is None:
             self._local_fallback = GradientBuckets(self.parameters, device="cpu")
-        with self.get_tensors() as averaged_grads:
-            if self._averaged_buckets is not None:
-                self._averaged_buckets.scaled_copy_to_(self._local_fallback, 1.0)
-            else:
-                torch._foreach_copy_(list(self._local_fallback.views), list(averaged_grads))
+        with self.get_tensors() as averaged_grads:  # once per round: one fused copy, whatever the buffers' layout
+            torch._foreach_copy_(list(self._local_fallback.views), list(averaged_grads))
         self._fallback_pending = True
 
     @torch.no_grad()
