@@ -4,13 +4,20 @@ reaches the swarm's target batch size, so every ``opt.step()`` is a no-sync step
 
 Run as ``python -m benchmarks.micro_step_worker --impl exact --model linear-100m``; prints one JSON object with
 per-micro-step samples in seconds (``micro_step``: zero_grad + forward + backward + step; ``no_sync_step``: the
-``opt.step()`` call alone; ``load``: the averaging-time ``load_accumulators_into_averager_``), peak RSS in bytes and
-the parameter count. Implementations:
+``opt.step()`` call alone; ``load``: the averaging-time ``load_accumulators_into_averager_``), per-micro-step minor
+page faults and system CPU seconds (to tell allocator or kernel trouble from accumulation work), peak RSS in bytes
+and the parameter count. Implementations:
 
 - ``native``: plain PyTorch accumulation, ``loss.backward()`` into the existing ``.grad``, no optimizer call;
 - ``upstream``: ``hivemind.Optimizer`` (upstream ``GradientAverager``), ``zero_grad()`` before every backward;
 - ``exact``: ``hivemind_accum.Optimizer`` (``reuse_grad_buffers=False``), same loop as upstream;
 - ``inplace``: ``hivemind_accum.Optimizer(reuse_grad_buffers=True)``, no ``zero_grad`` (autograd accumulates).
+
+Precisions (``--precision``): ``fp32``; ``bf16``: the forward pass under CPU bf16 autocast; ``fp16``: fp16 autocast
+with loss scaling, where native accumulation scales the loss (``torch.amp.GradScaler``, whose ``step`` and ``update``
+run once per optimizer step, not in a no-sync micro-step), upstream and exact call ``scaler.step(opt)`` and
+``scaler.update()`` with ``torch.amp.GradScaler`` (upstream's recommendation without ``reuse_grad_buffers``) and
+inplace does the same with ``hivemind.GradScaler`` (required there). ``micro_step`` includes the scaler calls.
 
 Both hivemind variants use the slowdown report's configuration where the CPU allows: fp16 gradient compression,
 offloaded optimizer, delayed optimizer step and state averaging; one peer with a target batch size it never reaches.
@@ -26,9 +33,12 @@ import torch
 from benchmarks.models import build_model, make_inputs
 
 IMPLEMENTATIONS = ("native", "upstream", "exact", "inplace")
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def run(impl: str, model_name: str, steps: int, warmup: int, batch_size: int, threads: int) -> dict:
+def run(
+    impl: str, model_name: str, steps: int, warmup: int, batch_size: int, threads: int, precision: str = "fp32"
+) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = build_model(model_name)
@@ -49,21 +59,34 @@ def run(impl: str, model_name: str, steps: int, warmup: int, batch_size: int, th
             grad_compression=Float16Compression(), offload_optimizer=True, delay_optimizer_step=True,
             delay_state_averaging=True, matchmaking_time=5.0, verbose=False,
         )
-    micro_steps, no_sync_steps, loads = [], [], []
+    scaler = None
+    if precision == "fp16":
+        scaler = hivemind.GradScaler("cpu") if impl == "inplace" else torch.amp.GradScaler("cpu")
+    autocast_dtype = PRECISIONS[precision]
+    micro_steps, no_sync_steps, loads, minor_faults, system_times = [], [], [], [], []
     try:
         for step in range(warmup + steps):
             inputs = make_inputs(model_name, batch_size, generator)
+            usage_before = resource.getrusage(resource.RUSAGE_SELF)
             start = time.perf_counter()
             if impl in ("upstream", "exact"):
                 opt.zero_grad()
-            model(inputs).float().square().mean().backward()
+            with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+                loss = model(inputs).float().square().mean()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             step_start = time.perf_counter()
-            if opt is not None:
+            if opt is not None and scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            elif opt is not None:
                 opt.step()
             end = time.perf_counter()
             if step >= warmup:
+                usage = resource.getrusage(resource.RUSAGE_SELF)
                 micro_steps.append(end - start)
                 no_sync_steps.append(end - step_start)
+                minor_faults.append(usage.ru_minflt - usage_before.ru_minflt)
+                system_times.append(usage.ru_stime - usage_before.ru_stime)
         if opt is not None:
             assert opt.local_epoch == 0, "the benchmark must never reach the target batch size"
             for _ in range(3):
@@ -75,9 +98,10 @@ def run(impl: str, model_name: str, steps: int, warmup: int, batch_size: int, th
             opt.shutdown()
             dht.shutdown()
     return dict(
-        impl=impl, model=model_name, params=sum(p.numel() for p in model.parameters()),
+        impl=impl, model=model_name, precision=precision, params=sum(p.numel() for p in model.parameters()),
         tensors=len(list(model.parameters())), batch_size=batch_size, threads=threads,
         micro_step=micro_steps, no_sync_step=no_sync_steps if opt is not None else [], load=loads,
+        minor_faults=minor_faults, system_time=system_times,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
 
@@ -90,8 +114,9 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="micro-steps before measuring")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     args = parser.parse_args(argv)
-    result = run(args.impl, args.model, args.steps, args.warmup, args.batch_size, args.threads)
+    result = run(args.impl, args.model, args.steps, args.warmup, args.batch_size, args.threads, args.precision)
     sys.stdout.write(json.dumps(result) + "\n")
 
 

@@ -14,7 +14,12 @@ micro-step (460 ms of system time, 1.12 s per micro-step), while the same loop a
 initialization faulted almost none (0.74 s); with these settings both take 0.72 s. The ratios then measure
 accumulation work, not allocator luck.
 
-Run: ``python -m benchmarks.sweep`` (all sizes; about 10 minutes on 2 CPU cores), ``--help`` for options.
+A model name may carry a precision, ``<model>:<precision>`` with precision ``fp32`` (default), ``bf16`` or ``fp16``
+(see :mod:`benchmarks.micro_step_worker`); ratios are then to native accumulation in the same precision.
+
+Run: ``python -m benchmarks.sweep`` (all sizes; about 10 minutes on 2 CPU cores), ``--help`` for options. The
+precision rows of the README: ``python -m benchmarks.sweep --models linear-10m linear-10m:bf16 linear-10m:fp16
+--name sweep_precision_cpu --no-plot``.
 """
 import argparse
 import json
@@ -39,11 +44,15 @@ def run_configuration(impl: str, model: str, steps: int, warmup: int, batch_size
     """
     Run one configuration in a fresh ``python -m benchmarks.micro_step_worker`` process.
 
+    :param model: a model name, optionally with ``:<precision>`` (``linear-10m:bf16``)
+
     :returns: the worker's JSON result (times in seconds, memory in bytes)
     :raises RuntimeError: with the worker's stderr tail if it fails
     """
+    model, _, precision = model.partition(":")
     command = [
-        sys.executable, "-m", "benchmarks.micro_step_worker", "--impl", impl, "--model", model, "--steps", str(steps),
+        sys.executable, "-m", "benchmarks.micro_step_worker", "--impl", impl, "--model", model,
+        "--precision", precision or "fp32", "--steps", str(steps),
         "--warmup", str(warmup), "--batch-size", str(batch_size), "--threads", str(threads),
     ]
     env = dict(os.environ, **MALLOC_ENV)
@@ -187,18 +196,20 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=4, help="micro-steps before measuring (default: 4)")
     parser.add_argument("--batch-size", type=int, default=4, help="samples per micro-batch (default: 4)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker (default: 1)")
-    parser.add_argument("--output-dir", default=RESULTS_DIR, help="where to write sweep_cpu.{json,md} and the plots")
+    parser.add_argument("--output-dir", default=RESULTS_DIR, help="where to write <name>.{json,md} and the plots")
+    parser.add_argument("--name", default="sweep_cpu", help="file name of the results (default: %(default)s)")
+    parser.add_argument("--no-plot", action="store_true", help="write no figures")
     args = parser.parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
     results = run_sweep(args.models, IMPLEMENTATIONS, args.rounds, args.steps, args.warmup, args.batch_size, args.threads)
     rows = summarize(results)
     machine = machine_description(args.threads)
-    with open(os.path.join(args.output_dir, "sweep_cpu.json"), "w") as f:
+    with open(os.path.join(args.output_dir, f"{args.name}.json"), "w") as f:
         json.dump(dict(machine=machine, args=vars(args), rows=rows, raw=results), f, indent=1)
     table = markdown_table(rows)
-    with open(os.path.join(args.output_dir, "sweep_cpu.md"), "w") as f:
+    with open(os.path.join(args.output_dir, f"{args.name}.md"), "w") as f:
         f.write(f"Measured on: {machine}\n\n{table}\n")
-    for path in plot(rows, args.output_dir, "CPU"):
+    for path in [] if args.no_plot else plot(rows, args.output_dir, "CPU"):
         print(f"wrote {path}", file=sys.stderr)
     print(f"Measured on: {machine}\n\n{table}")
 

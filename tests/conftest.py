@@ -1,4 +1,5 @@
 import contextlib
+import time
 from typing import Iterator, List
 
 import hivemind
@@ -69,3 +70,12 @@ def shutting_down(*averagers):
 def dht():
     with swarm(1) as (node,):
         yield node
+
+
+def wait_for_tracker(opt, timeout: float = 10.0) -> None:
+    """after an epoch transition, wait until the progress tracker's background refresh has seen the new epoch: until
+    then hivemind does not count new local samples toward the global batch (``ProgressTracker.report_local_progress``),
+    and a single-peer test on a loaded machine would reach its epochs one micro-step late"""
+    deadline = time.monotonic() + timeout
+    while opt.tracker.global_progress.epoch < opt.local_epoch and time.monotonic() < deadline:
+        time.sleep(0.01)

@@ -44,7 +44,8 @@ def _peer(rank: int, impl: str, reuse_grad_buffers: bool, initial_peers, queue, 
         grad_compression=BrokenCompression() if rank == 1 else NoCompression(),
         average_state_every=10**6,  # no parameter averaging: each epoch's move is the gradient step alone
     )
-    events = dict(fallback=False, download=False)
+    events = dict(fallback=False, download=False, began=False)
+    opt.grad_averager.step = _flagging(opt.grad_averager.step, events, "began")
     for name in "fallback", "download":
         method_name = "_load_local_gradients_into_optimizer" if name == "fallback" else "load_state_from_peers"
         method = getattr(opt, method_name)
@@ -56,14 +57,16 @@ def _peer(rank: int, impl: str, reuse_grad_buffers: bool, initial_peers, queue, 
         deadline = time.monotonic() + 90
         while opt.local_epoch < EPOCHS and time.monotonic() < deadline:
             before, epoch = model.weight.detach().clone(), opt.local_epoch
-            events.update(fallback=False, download=False)
+            events.update(fallback=False, download=False, began=False)
             if not reuse_grad_buffers:
                 opt.zero_grad()
             (model.weight * direction).sum().backward()  # linear loss: the gradient is `direction` every micro-step
             opt.step()
             time.sleep(0.2)
             if events["fallback"] and not events["download"]:  # this step's round failed: local gradients only
-                moves.append(model.weight.detach() - before)
+                # began: the round started (upstream resets the accumulators then) before it failed; a round whose
+                # matchmaking had already failed never begins, and the accumulators are loaded as they are
+                moves.append((model.weight.detach() - before, events["began"]))
             if opt.local_epoch != epoch and rank == 1:
                 # the broken peer's round fails at once while the healthy peer waits for its timeout: let the healthy
                 # peer transition first, so it never lags behind and downloads the broken peer's parameters instead
@@ -99,7 +102,8 @@ def run_pair(impl: str, reuse_grad_buffers: bool = False):
 def assert_healthy_peer_used_local_gradients(epochs, moves, direction):
     assert epochs >= EPOCHS
     assert len(moves) >= 2, "the scenario must produce failed rounds for the test to mean anything"
-    for move in moves:  # every failed round: an SGD(lr=1) step by the peer's own mean gradient, never zeros
+    assert any(began for _, began in moves), "at least one round must fail after it began (the defect's case)"
+    for move, _ in moves:  # every failed round: an SGD(lr=1) step by the peer's own mean gradient, never zeros
         torch.testing.assert_close(move, -direction)
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import hivemind_accum
+from tests.conftest import wait_for_tracker
 
 MICRO_STEPS, BATCH, EPOCHS, LR, SCALE = 4, 2, 3, 0.5, 2.0**10
 
@@ -61,6 +62,7 @@ def _hivemind_run(scaler_kind: str, autocast_dtype, queue):
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
             scaler.step(opt)
             scaler.update()
+            wait_for_tracker(opt)
         queue.put((opt.local_epoch, [p.detach().clone() for p in model.parameters()]))
     except Exception as e:
         queue.put(e)

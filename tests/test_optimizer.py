@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import hivemind_accum
+from tests.conftest import wait_for_tracker
 
 
 def _train_one_peer(optimizer_cls_name: str, reuse_grad_buffers: bool, offload: bool, zero_grad: bool, result_queue):
@@ -35,6 +36,7 @@ def _train_one_peer(optimizer_cls_name: str, reuse_grad_buffers: bool, offload: 
                 opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
+            wait_for_tracker(opt)
             epochs.append(opt.local_epoch)
         averager = f"{type(opt.grad_averager).__module__}.{type(opt.grad_averager).__name__}"
         result_queue.put((epochs, initial, [p.detach().clone() for p in model.parameters()], averager))

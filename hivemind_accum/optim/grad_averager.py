@@ -24,7 +24,7 @@ from hivemind.dht import DHT
 from hivemind.optim import grad_averager as upstream
 from hivemind.utils import get_logger
 
-from hivemind_accum.optim.grad_buckets import GradientBuckets
+from hivemind_accum.optim.grad_buckets import LOW_PRECISION, GradientBuckets
 
 logger = get_logger(__name__)
 _get_grad = operator.attrgetter("grad")
@@ -47,11 +47,20 @@ class GradientAverager(upstream.GradientAverager):
       ``.grad`` is set to None or replaced. Every micro-step counts equally (the sum over micro-steps divided by
       ``K``), as native accumulation of a mean loss does; if batch sizes differ, a warning says so once.
 
+    Precision: the averager's shared buffers (what peers all-reduce and the optimizer receives) are float32 for
+    float16 and bfloat16 parameters, and the parameters' dtype otherwise. In exact mode the accumulators of fp16/bf16
+    parameters are float32 too (``accumulate_in_fp32``): summing many micro-steps in bf16 loses precision that a
+    float32 sum keeps. In in-place mode ``param.grad`` is the accumulator and autograd requires it to have the
+    parameter's dtype, so there it accumulates in the parameter's dtype, as native PyTorch accumulation does.
+
     :param parameters: pytorch parameters for which to aggregate gradients: dense float tensors on any devices and
       dtypes; the accumulators form one flat buffer per (device, dtype) group
     :param dht: a DHT instance connected to the rest of the swarm. See hivemind.DHT docs
     :param prefix: a unique DHT key used for matchmaking, e.g. your experiment name with optional suffixes
     :param reuse_grad_buffers: if True, in-place mode: ``param.grad`` become views of the accumulators
+    :param accumulate_in_fp32: exact mode only: if True (default), fp16/bf16 gradients accumulate into float32
+      buffers (each micro-step copies them into a persistent staging buffer of the parameters' dtype, then adds with
+      one flat op per bucket); if False, they accumulate in the parameters' dtype, halving accumulator memory
     :param accumulate_grads_on: if specified, place the accumulators on this device (e.g. ``"cpu"`` to save device
       memory; each micro-step then copies gradients into a persistent staging buffer there). By default each
       accumulator lives on its parameters' device. Ignored (with a warning) if ``reuse_grad_buffers=True``.
@@ -74,6 +83,7 @@ class GradientAverager(upstream.GradientAverager):
         prefix: str,
         reuse_grad_buffers: bool = False,
         accumulate_grads_on: Optional[torch.device] = None,
+        accumulate_in_fp32: bool = True,
         client_mode: bool = None,
         warn: bool = True,
         averaged_grads: Sequence[torch.Tensor] = (),
@@ -96,7 +106,14 @@ class GradientAverager(upstream.GradientAverager):
         averaged_grads = tuple(averaged_grads or ())
         if averaged_grads:
             _check_averaged_grads(self.parameters, averaged_grads)
-        self._accumulators = GradientBuckets(self.parameters, device=accumulate_grads_on)
+        self._accumulators = GradientBuckets(
+            self.parameters, device=accumulate_grads_on, upcast=accumulate_in_fp32 and not reuse_grad_buffers
+        )
+        # micro-steps dropped for inf/NaN gradients (accumulate_grads_ with inv_grad_scale), counted on the device
+        # without a host sync and subtracted from the host counters when the accumulators are loaded
+        counter_device = self._accumulators.buckets[0].flat.device
+        self._dropped_samples, self._dropped_micro_steps = torch.zeros(2, device=counter_device)
+        self._may_have_dropped = False
         self._local_accumulators = self._accumulators.views  # upstream's name, read by hivemind's own code
         if reuse_grad_buffers:
             self._attach_grads_()
@@ -104,7 +121,7 @@ class GradientAverager(upstream.GradientAverager):
         if averaged_grads:
             self._averaged_buckets = None
         else:
-            self._averaged_buckets = GradientBuckets(self.parameters, device="cpu", share_memory=True)
+            self._averaged_buckets = GradientBuckets(self.parameters, device="cpu", share_memory=True, upcast=True)
             averaged_grads = self._averaged_buckets.views
         # this round's local gradients (as loaded into the averager), kept on the host until the round's result is
         # used: if the all-reduce fails after the accumulators were reset, the optimizer falls back to these;
@@ -118,6 +135,12 @@ class GradientAverager(upstream.GradientAverager):
     def __del__(self):
         if hasattr(self, "_parent_pid"):  # a constructor that raised before DecentralizedAverager.__init__ ran
             super().__del__()
+
+    def _grads_from_parameters(self) -> Iterator[torch.Tensor]:
+        """shape and dtype of each averaged gradient (float32 for fp16/bf16 parameters) as meta tensors, for
+        subclasses that size their own buffers from it (PowerSGD); unlike upstream's, this never touches ``.grad``"""
+        for param in self.parameters:
+            yield torch.empty_like(param, device="meta", dtype=torch.float32 if param.dtype in LOW_PRECISION else None)
 
     @torch.no_grad()
     def _grad_accumulators(self) -> Iterator[torch.Tensor]:
@@ -139,7 +162,9 @@ class GradientAverager(upstream.GradientAverager):
             self.parameters[i].grad = views[i]
 
     @torch.no_grad()
-    def accumulate_grads_(self, batch_size: int):
+    def accumulate_grads_(
+        self, batch_size: int, inv_grad_scale: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
         """
         Add the current micro-step's gradients (``param.grad``) to the local accumulators.
 
@@ -155,11 +180,28 @@ class GradientAverager(upstream.GradientAverager):
         accumulated sum, which would then count twice; edit ``.grad`` in place or use the exact mode. Zeroing a view
         in place (``zero_grad(set_to_none=False)``) discards the accumulated sum, as it would in native PyTorch.
 
+        With a loss scale (exact mode only), ``inv_grad_scale`` unscales this micro-step's gradients as they are added,
+        and a micro-step whose gradients hold any inf or NaN is dropped whole: it adds nothing, and its micro-step and
+        samples are subtracted from ``local_times_accumulated`` and ``local_samples_accumulated`` (hence from the
+        averaging weight) at the next ``load_accumulators_into_averager_``, the only point that reads the decision on
+        the host. No host-device synchronization here; the gradients in ``.grad`` are left as they are.
+
         :param batch_size: number of samples in this micro-batch, a positive integer
-        :raises ValueError: if ``batch_size`` is not a positive integer
+        :param inv_grad_scale: optional 0-dim float32 tensor on any device, ``1 / loss_scale`` of this micro-step's
+          gradients (``torch.ones(())`` for gradients already unscaled but not yet checked for inf/NaN)
+        :returns: with ``inv_grad_scale``, ``found_inf``: a 0-dim float32 tensor on the accumulators' device, 1.0 if
+          this micro-step was dropped (what ``torch.amp.GradScaler.update`` reads to back off); otherwise None
+        :raises ValueError: if ``batch_size`` is not a positive integer, or ``inv_grad_scale`` is given in in-place
+          mode (there autograd has already added the gradients to the accumulators)
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size <= 0:
             raise ValueError(f"batch_size: expected a positive int (samples in this micro-batch), got {batch_size!r}")
+        if inv_grad_scale is not None and self.reuse_grad_buffers:
+            raise ValueError(
+                "inv_grad_scale: with reuse_grad_buffers=True gradients are already in the accumulators and cannot be "
+                "unscaled or dropped per micro-step; unscale the accumulated gradients once per round "
+                "(hivemind.GradScaler does) or use reuse_grad_buffers=False"
+            )
         if self._accumulators_used_in_step and self.warn:  # same warning as upstream's, once per round
             logger.warning(
                 "[warn=True] Gradient accumulators were not reset since the last averaging round. Please "
@@ -180,8 +222,31 @@ class GradientAverager(upstream.GradientAverager):
                 )
                 self._warned_unequal_batches = True
             self._attach_grads_()
-        else:
+        elif inv_grad_scale is None:
             self._accumulators.add_([param.grad for param in self.parameters], alpha=batch_size / self._anchor_batch_size)
+        else:
+            found_inf = self._accumulators.add_finite_(
+                [param.grad for param in self.parameters], inv_grad_scale, alpha=batch_size / self._anchor_batch_size
+            )
+            self._dropped_samples.add_(found_inf, alpha=batch_size)
+            self._dropped_micro_steps.add_(found_inf)
+            self._may_have_dropped = True
+            return found_inf
+        return None
+
+    def _settle_dropped_micro_steps(self) -> None:
+        """subtract micro-steps dropped for inf/NaN gradients from the host counters: one host sync per round"""
+        if not self._may_have_dropped:
+            return
+        counters = torch.stack([self._dropped_samples, self._dropped_micro_steps]).tolist()
+        dropped_samples, dropped_micro_steps = map(round, counters)
+        if dropped_micro_steps:
+            logger.info(f"Dropped {dropped_micro_steps} micro-step(s), {dropped_samples} samples, with inf/NaN grads")
+        self.local_samples_accumulated -= dropped_samples
+        self.local_times_accumulated -= dropped_micro_steps
+        self._dropped_samples.zero_()
+        self._dropped_micro_steps.zero_()
+        self._may_have_dropped = False
 
     def step(
         self,
@@ -227,6 +292,10 @@ class GradientAverager(upstream.GradientAverager):
         self.local_samples_accumulated = self.local_times_accumulated = 0
         self._anchor_batch_size = None
         self._warned_unequal_batches = False
+        if self._may_have_dropped:
+            self._dropped_samples.zero_()
+            self._dropped_micro_steps.zero_()
+            self._may_have_dropped = False
         if self.reuse_grad_buffers:
             for param, view in zip(self.parameters, self._accumulators.views):
                 param.grad = view
@@ -234,7 +303,7 @@ class GradientAverager(upstream.GradientAverager):
 
     def _save_local_fallback(self) -> None:
         if self._local_fallback is None:
-            self._local_fallback = GradientBuckets(self.parameters, device="cpu")
+            self._local_fallback = GradientBuckets(self.parameters, device="cpu", upcast=True)
         with self.get_tensors() as averaged_grads:  # once per round: one fused copy, whatever the buffers' layout
             torch._foreach_copy_(list(self._local_fallback.views), list(averaged_grads))
         self._fallback_pending = True
@@ -244,7 +313,8 @@ class GradientAverager(upstream.GradientAverager):
         """
         Load locally accumulated gradients, divided by the number of micro-steps, into the averager's shared CPU
         buffers: one bulk copy (and one scale) per bucket. If the last ``step`` reset the accumulators and its
-        result was not used yet (the round failed), load that round's local gradients instead.
+        result was not used yet (the round failed), load that round's local gradients instead. Micro-steps dropped for
+        inf/NaN gradients are subtracted from the counters here (see ``accumulate_grads_``).
         """
         if self._fallback_pending:
             logger.info("Averaging round was not used: loading this round's local gradients, kept since step()")
@@ -254,6 +324,7 @@ class GradientAverager(upstream.GradientAverager):
             return
         if self.reuse_grad_buffers:
             self._attach_grads_()
+        self._settle_dropped_micro_steps()
         grad_scale = (1.0 / self.local_times_accumulated) if self.local_times_accumulated != 0 else 0.0
         with self.get_tensors() as averaged_grads:
             self._accumulators.scaled_copy_to_(self._averaged_target(averaged_grads), grad_scale)

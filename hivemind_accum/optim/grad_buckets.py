@@ -3,7 +3,8 @@ Flat gradient buckets: one contiguous buffer per (device, dtype) group of tensor
 
 This module knows nothing about averaging. It gives :class:`GradientBuckets`, a set of persistent flat
 buffers whose per-tensor views keep each tensor's shape and strides (channels_last included), plus the
-three fused operations gradient accumulation needs: add a list of gradients, zero, copy with a scale.
+fused operations gradient accumulation needs: add a list of gradients (optionally unscaled and dropped if not
+finite, for loss scaling), zero, copy with a scale. Low-precision (fp16, bf16) tensors may get float32 buffers.
 The layout follows PyTorch DDP's ``gradient_as_bucket_view=True`` (gradients as views of a communication
 bucket) and its ``batched_grad_copy`` (one ``_foreach`` op per bucket instead of a per-parameter loop).
 """
@@ -22,21 +23,42 @@ class GradientBucket:
     :param indices: positions (in the owner's tensor order) of the tensors stored in this bucket
     :param views: per-tensor views of ``flat``, in the order of ``indices``
     :param source_device: the device of the tensors this bucket mirrors (gradients are read from there)
-    :param staging: a same-layout buffer on ``flat``'s device, allocated on first use when gradients must cross
-      devices before they are added (``accumulate_grads_on`` differs from the parameters' device)
+    :param source_dtype: the dtype of the tensors this bucket mirrors (``flat`` may be float32 for fp16/bf16 ones)
+    :param staging: a same-layout buffer in the source dtype on ``flat``'s device, allocated on first use when
+      gradients must be copied before they are added: across devices (``accumulate_grads_on``), across dtypes
+      (float32 buffers for fp16/bf16 gradients) or to be checked for inf/NaN (:meth:`GradientBuckets.add_finite_`)
     """
 
     flat: torch.Tensor
     indices: Tuple[int, ...]
     views: List[torch.Tensor]
     source_device: torch.device
+    source_dtype: torch.dtype
     staging: Optional["GradientBucket"] = field(default=None, repr=False)
+
+    def stage_(self, sources: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+        """copy ``sources`` (one per view, None = zeros) into the staging buffer with one fused copy; return it flat"""
+        if self.staging is None:
+            self.staging = _make_bucket(self.views, self.indices, self.flat.device, self.source_dtype)
+        present = [k for k, grad in enumerate(sources) if grad is not None]
+        absent = [self.staging.views[k] for k, grad in enumerate(sources) if grad is None]
+        if absent:
+            torch._foreach_zero_(absent)
+        if present:
+            torch._foreach_copy_(
+                [self.staging.views[k] for k in present],
+                [sources[k].to_dense() if sources[k].is_sparse else sources[k] for k in present],
+            )
+        return self.staging.flat
 
 
 def _dense_strides(tensor: torch.Tensor) -> Tuple[int, ...]:
     """strides that ``torch.empty_like`` would give: the tensor's own if dense and non-overlapping
     (e.g. channels_last), contiguous otherwise; computed on the meta device, allocating nothing"""
     return torch.empty_like(tensor, device="meta").stride()
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _make_bucket(
@@ -46,7 +68,7 @@ def _make_bucket(
     dtype: torch.dtype,
     share_memory: bool = False,
 ) -> GradientBucket:
-    """allocate one zero-filled flat buffer for ``likes`` (in order) and cut it into views of their shapes"""
+    """allocate one zero-filled flat buffer of ``dtype`` for ``likes`` (in order), cut into views of their shapes"""
     flat = torch.zeros(sum(like.numel() for like in likes), dtype=dtype, device=device)
     if share_memory:
         flat.share_memory_()
@@ -54,7 +76,9 @@ def _make_bucket(
     for like in likes:
         views.append(flat.as_strided(like.shape, _dense_strides(like), offset))
         offset += like.numel()
-    return GradientBucket(flat=flat, indices=indices, views=views, source_device=likes[0].device)
+    return GradientBucket(
+        flat=flat, indices=indices, views=views, source_device=likes[0].device, source_dtype=likes[0].dtype
+    )
 
 
 class GradientBuckets:
@@ -62,16 +86,23 @@ class GradientBuckets:
     Persistent flat buffers mirroring a sequence of tensors, one buffer per (source device, dtype) group.
 
     :param tensors: tensors to mirror (typically model parameters); only their shape, strides, dtype and device
-      are read. ``views[i]`` has the shape, strides and dtype of ``tensors[i]``.
+      are read. ``views[i]`` has the shape and strides of ``tensors[i]`` and its dtype (see ``upcast``).
     :param device: where to place the buffers; by default each bucket lives on its tensors' own device.
     :param share_memory: if True, move every buffer to shared memory (``Tensor.share_memory_``), as hivemind
       averagers need for the tensors their background process all-reduces; use with ``device="cpu"``.
+    :param upcast: if True, float16 and bfloat16 tensors get float32 buffers (and float32 views); tensors are still
+      grouped by their own dtype, so buckets built from the same tensors with and without ``upcast`` pair up.
     :raises ValueError: if ``tensors`` is empty or holds a non-tensor, a sparse or meta tensor or a non-float dtype
       (the message names the offending position as ``parameters[i]``), or if ``device`` cannot be allocated on.
     """
 
     def __init__(
-        self, tensors: Sequence[torch.Tensor], *, device: Optional[torch.device] = None, share_memory: bool = False
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        device: Optional[torch.device] = None,
+        share_memory: bool = False,
+        upcast: bool = False,
     ):
         tensors = tuple(tensors)
         if len(tensors) == 0:
@@ -98,7 +129,7 @@ class GradientBuckets:
                 [tensors[i] for i in indices],
                 tuple(indices),
                 device=torch.device(device) if device is not None else source_device,
-                dtype=dtype,
+                dtype=torch.float32 if upcast and dtype in LOW_PRECISION else dtype,
                 share_memory=share_memory,
             )
             for (source_device, dtype), indices in groups.items()
@@ -112,30 +143,59 @@ class GradientBuckets:
     @torch.no_grad()
     def add_(self, sources: Sequence[Optional[torch.Tensor]], alpha: float = 1.0) -> None:
         """
-        ``views[i] += alpha * sources[i]`` for every i, with one fused ``_foreach_add_`` per bucket.
+        ``views[i] += alpha * sources[i]`` for every i: one fused ``_foreach_add_`` per bucket, or, for a bucket whose
+        buffer differs from its sources in device or dtype, one fused copy into a persistent staging buffer and one
+        flat ``add_`` (no per-step allocation, no per-tensor kernel).
 
-        :param sources: one tensor or None per view, same shapes and dtypes as the views, on the bucket's source
-          device; None entries contribute nothing. Sparse sources are added densely.
+        :param sources: one tensor or None per view, of the view's shape and the source tensor's dtype, on the
+          bucket's source device; None entries contribute nothing. Sparse sources are added densely.
         :param alpha: scalar weight applied to every source
         """
         for bucket in self.buckets:
             grads = [sources[i] for i in bucket.indices]
-            views = bucket.views
-            present = None
-            if any(grad is None for grad in grads):
+            if all(grad is None for grad in grads):
+                continue
+            if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
+                bucket.flat.add_(bucket.stage_(grads), alpha=alpha)
+            elif any(grad is None for grad in grads):
                 present = [k for k, grad in enumerate(grads) if grad is not None]
-                grads, views = [grads[k] for k in present], [views[k] for k in present]
-                if not grads:
-                    continue
-            if bucket.source_device != bucket.flat.device:
-                # e.g. accumulate_grads_on="cpu" for CUDA gradients: one fused copy into a persistent staging
-                # buffer on the accumulator's device, then the fused add; no per-step allocation
-                if bucket.staging is None:
-                    bucket.staging = _make_bucket(bucket.views, bucket.indices, bucket.flat.device, bucket.flat.dtype)
-                staging = bucket.staging.views if present is None else [bucket.staging.views[k] for k in present]
-                torch._foreach_copy_(staging, grads)
-                grads = staging
-            torch._foreach_add_(views, grads, alpha=alpha)
+                torch._foreach_add_([bucket.views[k] for k in present], [grads[k] for k in present], alpha=alpha)
+            else:
+                torch._foreach_add_(bucket.views, grads, alpha=alpha)
+
+    @torch.no_grad()
+    def add_finite_(
+        self, sources: Sequence[Optional[torch.Tensor]], inv_scale: torch.Tensor, alpha: float = 1.0
+    ) -> torch.Tensor:
+        """
+        ``views[i] += alpha * inv_scale * sources[i]`` for every i if every source is finite; if any element of any
+        source is inf or NaN, add nothing at all. Decided on the device, without a host synchronization: per bucket
+        one fused copy into the staging buffer, one ``_amp_foreach_non_finite_check_and_unscale_`` (the kernel
+        ``torch.amp.GradScaler.unscale_`` uses), then one ``masked_fill_`` and one ``add_`` on the flat buffers.
+        The sources are not modified.
+
+        :param sources: as in :meth:`add_`
+        :param inv_scale: 0-dim float32 tensor, ``1 / loss_scale`` (``1.0`` for already unscaled gradients), on any
+          device; copied to each bucket's device without blocking
+        :param alpha: scalar weight applied to every source
+        :returns: ``found_inf``, a 0-dim float32 tensor on the first bucket's device: 1.0 if the sources were
+          dropped, 0.0 if they were added
+        """
+        found_inf = torch.zeros((), dtype=torch.float32, device=self.buckets[0].flat.device)
+        staged = []
+        for bucket in self.buckets:
+            device = bucket.flat.device
+            flat = bucket.stage_([sources[i] for i in bucket.indices])
+            bucket_inf = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
+            bucket_inv_scale = inv_scale.to(device, non_blocking=True)
+            torch._amp_foreach_non_finite_check_and_unscale_([flat], bucket_inf, bucket_inv_scale)
+            if bucket_inf is not found_inf:
+                found_inf.add_(bucket_inf.to(found_inf.device, non_blocking=True))
+            staged.append(flat)
+        for bucket, flat in zip(self.buckets, staged):  # a micro-step counts only if all of it is finite
+            dropped = found_inf.to(flat.device, non_blocking=True) != 0
+            bucket.flat.add_(flat.masked_fill_(dropped, 0), alpha=alpha)
+        return found_inf.clamp_(max=1.0)
 
     @torch.no_grad()
     def zero_(self) -> None:

@@ -1,23 +1,140 @@
 """
-:class:`hivemind.Optimizer` that builds this package's gradient averager by default.
+:class:`hivemind.Optimizer` that builds this package's gradient averager by default and handles loss scaling without
+a host-device synchronization per micro-step.
 """
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-
 from hivemind.optim import optimizer as upstream
 from hivemind.optim.grad_averager import GradientAveragerFactory
+from hivemind.optim.grad_scaler import GradScaler as HivemindGradScaler
+from hivemind.utils import get_logger
+from torch.amp.grad_scaler import OptState
 
 from hivemind_accum.optim.grad_averager import GradientAverager
+
+logger = get_logger(__name__)
 
 
 class Optimizer(upstream.Optimizer):
     """
-    A subclass of :class:`hivemind.Optimizer` accepting every upstream argument unchanged. The only difference:
-    without ``grad_averager_factory``, gradients accumulate in :class:`hivemind_accum.GradientAverager` instead of
-    upstream's averager (pass ``grad_averager_factory=partial(hivemind_accum.PowerSGDGradientAverager, averager_rank=r)``
-    for PowerSGD). See :class:`hivemind.Optimizer` for all parameters.
+    A subclass of :class:`hivemind.Optimizer` accepting every upstream argument unchanged. Differences:
+
+    - without ``grad_averager_factory``, gradients accumulate in :class:`hivemind_accum.GradientAverager` instead of
+      upstream's averager (pass ``grad_averager_factory=partial(hivemind_accum.PowerSGDGradientAverager,
+      averager_rank=r)`` for PowerSGD);
+    - ``zero_grad`` is allowed with ``reuse_grad_buffers=True`` (see :meth:`zero_grad`);
+    - loss scaling (``scaler.step(opt)`` or ``opt.step(grad_scaler=scaler)``) costs no host-device synchronization
+      in the no-sync step (see :meth:`step`), and a plain ``torch.amp.GradScaler`` works in the exact mode.
+
+    See :class:`hivemind.Optimizer` for all parameters.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._micro_step_scaler = None
+        if self.use_gradient_averaging and not self.auxiliary:
+            # torch.amp.GradScaler.step then hands itself to step() instead of unscaling and reading the overflow
+            # flag on the host before every micro-step (upstream sets this only for reuse_grad_buffers=True)
+            self._step_supports_amp_scaling = True
+
+    def step(
+        self,
+        closure: Optional[Callable[[], torch.Tensor]] = None,
+        batch_size: Optional[int] = None,
+        grad_scaler: Optional[torch.amp.GradScaler] = None,
+    ):
+        """
+        As :meth:`hivemind.Optimizer.step`, with loss scaling handled on the device:
+
+        - exact mode (``reuse_grad_buffers=False``), with ``torch.amp.GradScaler`` or ``hivemind.GradScaler``: each
+          micro-step's gradients are unscaled and checked for inf/NaN on the device as they are accumulated
+          (:meth:`GradientAverager.accumulate_grads_` with ``inv_grad_scale``). A micro-step that overflows is dropped
+          whole, its samples leave this peer's averaging weight, and the scaler's ``update()`` backs the scale off as
+          usual; the rest of the epoch's micro-steps still count. ``.grad`` keeps the scaled gradients unless the
+          loop called ``scaler.unscale_(opt)``. With ``torch.amp.GradScaler`` neither ``step`` nor ``update``
+          synchronizes; ``hivemind.GradScaler.update`` reads the overflow flag on the host (upstream code) and grows
+          the scale only after global steps.
+        - in-place mode (``reuse_grad_buffers=True``), ``hivemind.GradScaler`` only: the no-sync step does no
+          check at all; the accumulated gradients are unscaled and checked once per round, before averaging (one
+          host sync per round). If any micro-step overflowed, the round's accumulated gradients are dropped, as
+          native PyTorch accumulation drops the whole accumulated step: this peer joins the round with weight 0,
+          skips the optimizer step, and the scale backs off.
+
+        :param closure: A closure that reevaluates the model and returns the loss
+        :param batch_size: optional override for batch_size_per_step from init
+        :param grad_scaler: ``hivemind.GradScaler`` (either mode) or ``torch.amp.GradScaler`` (exact mode only)
+        :raises ValueError: for a grad scaler other than those, or a ``torch.amp.GradScaler`` with
+          ``reuse_grad_buffers=True`` (its ``unscale_`` would unscale the accumulated gradients again every micro-step)
+        """
+        if grad_scaler is None or not grad_scaler.is_enabled() or not self.use_gradient_averaging or self.auxiliary:
+            return super().step(closure, batch_size, grad_scaler)
+        if self.grad_averager.reuse_grad_buffers:
+            if not isinstance(grad_scaler, HivemindGradScaler):
+                raise ValueError(
+                    f"grad_scaler: reuse_grad_buffers=True needs hivemind.GradScaler (got {type(grad_scaler).__name__}): "
+                    f"a plain scaler's unscale_ would unscale the accumulated gradients again on every micro-step; "
+                    f"or use reuse_grad_buffers=False, which accepts torch.amp.GradScaler"
+                )
+            return super().step(closure, batch_size, grad_scaler)
+        if not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise ValueError(f"grad_scaler: expected torch.amp.GradScaler or hivemind.GradScaler, got {grad_scaler!r}")
+        state = grad_scaler._per_optimizer_states[id(self)]
+        if not state["found_inf_per_device"]:  # update() needs a record even if this micro-step is discarded
+            scale = grad_scaler._scale
+            state["found_inf_per_device"] = {scale.device: torch.zeros((), dtype=torch.float32, device=scale.device)}
+        self._micro_step_scaler = grad_scaler
+        try:
+            # the accumulators hold unscaled, finite gradients: the global step runs as without loss scaling
+            return super().step(closure, batch_size, grad_scaler=None)
+        finally:
+            self._micro_step_scaler = None
+
+    def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler: Optional[HivemindGradScaler]) -> bool:
+        """accumulate this micro-step's gradients without reading anything on the host (see :meth:`step`)"""
+        scaler = self._micro_step_scaler
+        if scaler is not None:  # exact mode: unscale, check and maybe drop on the device
+            state = scaler._per_optimizer_states[id(self)]
+            if state["stage"] is OptState.UNSCALED:  # the loop called torch.amp.GradScaler.unscale_(opt)
+                inv_grad_scale = torch.ones((), dtype=torch.float32, device=scaler._scale.device)
+            else:
+                inv_grad_scale = scaler._scale.double().reciprocal().float()  # as torch.amp.GradScaler.unscale_
+            found_inf = self.grad_averager.accumulate_grads_(batch_size, inv_grad_scale=inv_grad_scale)
+            state["found_inf_per_device"] = {found_inf.device: found_inf}
+        elif grad_scaler is not None:  # in-place mode: checked once per round, in _begin_averaging_gradients
+            self.grad_averager.accumulate_grads_(batch_size)
+        else:
+            return super()._check_and_accumulate_gradients(batch_size, grad_scaler)
+        self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
+        return True
+
+    def _begin_averaging_gradients(self, grad_scaler: Optional[HivemindGradScaler]) -> bool:
+        """in-place mode with a grad scaler: unscale the accumulated gradients and, if they overflowed, drop them
+        before they reach peers (one host sync per round); then as upstream"""
+        if grad_scaler is not None:
+            with grad_scaler.running_global_step():
+                assert grad_scaler.unscale_(self)
+            if not grad_scaler.are_grads_finite(self, use_cached=True):
+                logger.warning(
+                    "Accumulated gradients overflowed (inf/NaN): dropping this round's local gradients, this peer "
+                    "averages with weight 0 and skips the optimizer step; the loss scale will back off"
+                )
+                self.grad_averager.reset_accumulated_grads_()
+        return super()._begin_averaging_gradients(None)
+
+    def _load_averaged_gradients_into_optimizer_(self):
+        """as upstream, but a missing ``.grad`` gets the averaged gradient in the parameter's dtype and device (the
+        averaged buffers are float32 on CPU for fp16/bf16 parameters)"""
+        if not self.offload_optimizer:
+            params = [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]
+            with torch.no_grad(), self.grad_averager.get_tensors() as averaged_gradients:
+                assert len(averaged_gradients) == len(params)
+                for param, averaged_grad in zip(params, averaged_gradients):
+                    if param.grad is None:
+                        param.grad = averaged_grad.to(device=param.device, dtype=param.dtype, copy=True)
+                    else:
+                        param.grad.copy_(averaged_grad, non_blocking=True)
+        self.grad_averager.notify_used_averaged_gradients()
 
     def zero_grad(self, set_to_none: bool = True):
         """
