@@ -7,7 +7,9 @@ from pytest_benchmark.utils import get_tag
 
 from benchmarks.sweep import DEFAULT_MODELS, run_sweep
 
-BENCH_MODELS = tuple(os.environ.get("HIVEMIND_ACCUM_BENCH_MODELS", " ".join(DEFAULT_MODELS)).split())
+# one row per precision (ratios to native accumulation in the same precision) on the smallest model
+PRECISION_MODELS = ("linear-10m:bf16", "linear-10m:fp16")
+BENCH_MODELS = tuple(os.environ.get("HIVEMIND_ACCUM_BENCH_MODELS", " ".join(DEFAULT_MODELS + PRECISION_MODELS)).split())
 BENCH_ROUNDS = int(os.environ.get("HIVEMIND_ACCUM_BENCH_ROUNDS", "3"))
 
 _sweeps: Dict[str, Dict[str, List[dict]]] = {}

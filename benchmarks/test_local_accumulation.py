@@ -1,8 +1,8 @@
 """
 pytest-benchmark suite: ``pytest benchmarks/ --benchmark-only``.
 
-One benchmark group per model size and metric (full micro-step, no-sync ``step()``, averaging-time load), one
-benchmark per implementation. Samples come from fresh worker processes that alternate between implementations
+One benchmark group per model size (or ``model:precision``, see :mod:`benchmarks.micro_step_worker`) and metric
+(full micro-step, no-sync ``step()``, averaging-time load), one benchmark per implementation. Samples come from fresh worker processes that alternate between implementations
 (:func:`benchmarks.sweep.run_sweep`); the tests replay them into pytest-benchmark so its statistics, saved JSON and
 ``--benchmark-compare`` cover them. Each benchmark of this package's modes also asserts its target ratio:
 

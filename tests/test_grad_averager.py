@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAverager
-from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager as UpstreamPowerSGDGradientAverager
+from hivemind.optim.power_sgd_averager import (
+    PowerSGDGradientAverager as UpstreamPowerSGDGradientAverager,
+)
 
 from hivemind_accum import GradientAverager, PowerSGDGradientAverager
 from tests.conftest import MixedNet, mixed_batch, shutting_down, swarm

@@ -11,12 +11,13 @@ import hivemind
 import pytest
 import torch
 import torch.nn.functional as F
+from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAverager
 from torch.profiler import ProfilerActivity, profile
 
 import hivemind_accum
 from hivemind_accum import GradientAverager
-from tests.conftest import MixedNet, mixed_batch, swarm, wait_for_tracker
-from tests.test_grad_scaler import BATCH, EPOCHS, LR, MICRO_STEPS, SCALE, batches, make_model
+from tests.conftest import SINGLE_PEER_TRACKER, MixedNet, mixed_batch, swarm
+from tests.test_grad_scaler import BATCH, EPOCHS, LR, MICRO_STEPS, SCALE, make_model
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero")  # what .item() / bool(tensor) launch
 
@@ -93,6 +94,49 @@ def test_overflowing_micro_step_is_dropped_on_the_device(dht):
 
 
 @pytest.mark.forked
+def test_dropped_first_micro_step_does_not_anchor_batch_size_weights(dht):
+    """upstream weighs micro-step i by b_i / b_first; when the first micro-step is dropped, the result must equal
+    upstream's averager fed only the kept micro-steps"""
+    ours_model, ref_model = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    ours = GradientAverager(ours_model.parameters(), dht=dht, prefix="anchor", start=False)
+    ref = UpstreamGradientAverager(ref_model.parameters(), dht=dht, prefix="anchor_ref", start=False)
+    generator = torch.Generator().manual_seed(0)
+    for step, batch_size in enumerate([1, 4, 4, 3]):
+        grads = [torch.randn(p.shape, generator=generator) for p in ours_model.parameters()]
+        for param, grad in zip(ours_model.parameters(), grads):
+            param.grad = grad * 8.0 if step else torch.full_like(grad, float("nan"))
+        ours.accumulate_grads_(batch_size, inv_grad_scale=torch.tensor(1 / 8.0))
+        if step:
+            for param, grad in zip(ref_model.parameters(), grads):
+                param.grad = grad.clone()
+            ref.accumulate_grads_(batch_size)
+    for averager in ours, ref:
+        averager.load_accumulators_into_averager_()
+    assert ours.local_samples_accumulated == ref.local_samples_accumulated == 11
+    with ours.get_tensors() as averaged, ref.get_tensors() as expected:
+        for avg, exp in zip(averaged, expected, strict=True):
+            torch.testing.assert_close(avg, exp)
+
+
+@pytest.mark.forked
+def test_fp16_gradients_are_unscaled_in_fp32(dht):
+    """loss scaling exists to keep small fp16 gradients: unscaling must happen after the cast to the float32
+    accumulator, or values below fp16's range (6e-8) become zero"""
+    scale = 2.0**16
+    model = torch.nn.Linear(100, 10).half()
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="fp16", start=False)
+    true_grads = [torch.logspace(-9, -3, p.numel(), dtype=torch.float64).reshape(p.shape) for p in model.parameters()]
+    for param, grad in zip(model.parameters(), true_grads):
+        param.grad = (grad * scale).half()  # what backward of a scaled loss writes
+    averager.accumulate_grads_(4, inv_grad_scale=torch.tensor(1 / scale))
+    averager.load_accumulators_into_averager_()
+    with averager.get_tensors() as averaged:
+        for avg, param in zip(averaged, model.parameters(), strict=True):
+            assert avg.dtype == torch.float32 and avg.count_nonzero() == avg.numel()
+            torch.testing.assert_close(avg.double(), param.grad.double() / scale, rtol=1e-7, atol=0)
+
+
+@pytest.mark.forked
 def test_inv_grad_scale_in_place_mode_is_a_clear_error(dht):
     model = torch.nn.Linear(3, 2)
     averager = GradientAverager(model.parameters(), dht=dht, prefix="err", reuse_grad_buffers=True, start=False)
@@ -101,29 +145,36 @@ def test_inv_grad_scale_in_place_mode_is_a_clear_error(dht):
 
 
 # ------------------------------------------------- a single peer training with a grad scaler --------------------------
-OVERFLOW_AT = (0, 2)  # epoch 0, micro-step 2; model, data and hyperparameters as in test_grad_scaler
+# model and hyperparameters as in test_grad_scaler; micro-steps are numbered from 0 over the whole run
 
 
-def loss_fn(model, x, y, step):
+def make_batches(count: int):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 6, generator=generator), torch.randint(0, 3, (BATCH,), generator=generator))
+            for _ in range(count)]
+
+
+def loss_fn(model, x, y, step, overflow):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = F.cross_entropy(model(x).float(), y)
-    return loss * float("inf") if divmod(step, MICRO_STEPS) == OVERFLOW_AT else loss
+    return loss * float("inf") if step in overflow else loss
 
 
-def native_reference(drop: str):
+def native_reference(drop: str, overflow=frozenset()):
     """native PyTorch accumulation. drop="micro_step" (what the exact mode promises): plain backward of the unscaled
-    loss, leaving the overflowing micro-step out of the mean; drop="epoch" (native behaviour with a grad scaler,
-    what the in-place mode promises): torch.amp.GradScaler skips the whole accumulated step and backs off"""
+    loss, leaving the overflowing micro-steps out; an epoch is MICRO_STEPS kept micro-steps, as the swarm's target
+    counts only kept samples. drop="epoch" (native behaviour with a grad scaler, what the in-place mode promises):
+    epochs of MICRO_STEPS micro-steps, and torch.amp.GradScaler skips an epoch's step if any of them overflowed"""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, enabled=drop == "epoch")
     kept = 0
-    for step, (x, y) in enumerate(batches()):
-        if drop == "micro_step" and divmod(step, MICRO_STEPS) == OVERFLOW_AT:
+    for step, (x, y) in enumerate(make_batches(EPOCHS * MICRO_STEPS + (len(overflow) if drop == "micro_step" else 0))):
+        if drop == "micro_step" and step in overflow:
             continue
-        scaler.scale(loss_fn(model, x, y, step)).backward()
+        scaler.scale(loss_fn(model, x, y, step, overflow)).backward()
         kept += 1
-        if (step + 1) % MICRO_STEPS == 0:
+        if kept == MICRO_STEPS:
             scaler.unscale_(opt)
             for param in model.parameters():
                 param.grad /= kept
@@ -131,19 +182,19 @@ def native_reference(drop: str):
             scaler.update()
             opt.zero_grad()
             kept = 0
-    return [p.detach().clone() for p in model.parameters()], scaler.get_scale() if drop == "epoch" else SCALE / 2
+    return [p.detach().clone() for p in model.parameters()], scaler.get_scale() if drop == "epoch" else None
 
 
-def _train(scaler_kind: str, reuse_grad_buffers: bool, queue, optimizer_cls=hivemind_accum.Optimizer):
+def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivemind_accum.Optimizer):
     model = make_model()
     dht = hivemind.DHT(start=True)
     opt = optimizer_cls(
         dht=dht, run_id="amp_drop", params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=LR),
         target_batch_size=MICRO_STEPS * BATCH, batch_size_per_step=BATCH, reuse_grad_buffers=reuse_grad_buffers,
-        matchmaking_time=0.5, averaging_timeout=5,
+        matchmaking_time=0.5, averaging_timeout=5, tracker_opts=SINGLE_PEER_TRACKER,
     )
     scaler_cls = hivemind.GradScaler if scaler_kind == "hivemind" else torch.amp.GradScaler
-    scaler = scaler_cls("cpu", init_scale=SCALE)
+    scaler = scaler_cls("cpu", init_scale=SCALE, enabled=scaler_kind != "torch_disabled")
     loaded = {}  # epoch -> (samples, micro-steps) when the accumulators are loaded into the averager
     load = opt.grad_averager.load_accumulators_into_averager_
 
@@ -152,22 +203,25 @@ def _train(scaler_kind: str, reuse_grad_buffers: bool, queue, optimizer_cls=hive
         loaded[opt.local_epoch] = opt.grad_averager.local_samples_accumulated, opt.grad_averager.local_times_accumulated
 
     opt.grad_averager.load_accumulators_into_averager_ = recording_load
-    sync_ops, scales = [], []
+    sync_ops, scales, in_epoch = [], [], 0
     try:
-        for step, (x, y) in enumerate(batches()):
+        for step, (x, y) in enumerate(make_batches(EPOCHS * MICRO_STEPS + (0 if reuse_grad_buffers else len(overflow)))):
             if not reuse_grad_buffers:
                 opt.zero_grad()
-            scaler.scale(loss_fn(model, x, y, step)).backward()
-            no_sync_step = (step + 1) % MICRO_STEPS != 0
+            scaler.scale(loss_fn(model, x, y, step, overflow)).backward()
+            epoch = opt.local_epoch
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                scaler.step(opt)
-                if scaler_kind == "torch":
+                if scaler_kind == "torch_disabled":
+                    opt.step(grad_scaler=scaler)
+                else:
+                    scaler.step(opt)
+                if scaler_kind != "hivemind":
                     scaler.update()
             if scaler_kind == "hivemind":
                 scaler.update()  # hivemind.GradScaler.update reads the overflow flag on the host (upstream code)
-            if no_sync_step:
+            if in_epoch + 1 < MICRO_STEPS:  # cannot be the end of an epoch: a no-sync step
                 sync_ops.append(sum(1 for e in prof.events() if e.name in SYNC_OPS))
-            wait_for_tracker(opt)
+            in_epoch = 0 if opt.local_epoch != epoch else in_epoch + 1
             scales.append(scaler.get_scale())
         queue.put((opt.local_epoch, [p.detach().clone() for p in model.parameters()], loaded, sync_ops, scales))
     except Exception as e:
@@ -177,10 +231,10 @@ def _train(scaler_kind: str, reuse_grad_buffers: bool, queue, optimizer_cls=hive
         dht.shutdown()
 
 
-def train(scaler_kind: str, reuse_grad_buffers: bool, optimizer_cls=hivemind_accum.Optimizer):
+def train(scaler_kind: str, reuse_grad_buffers: bool, overflow=frozenset(), optimizer_cls=hivemind_accum.Optimizer):
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    process = ctx.Process(target=_train, args=(scaler_kind, reuse_grad_buffers, queue, optimizer_cls))
+    process = ctx.Process(target=_train, args=(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls))
     process.start()
     result = queue.get(timeout=120)
     process.join(timeout=60)
@@ -190,23 +244,44 @@ def train(scaler_kind: str, reuse_grad_buffers: bool, optimizer_cls=hivemind_acc
 
 
 @pytest.mark.forked
-@pytest.mark.parametrize("scaler_kind", ["torch", "hivemind"])
-def test_exact_mode_drops_only_the_overflowing_micro_step(scaler_kind):
-    epoch, params, loaded, sync_ops, scales = train(scaler_kind, reuse_grad_buffers=False)
-    expected, expected_scale = native_reference(drop="micro_step")
+@pytest.mark.parametrize(
+    "overflow", [frozenset({2}), frozenset(range(MICRO_STEPS))], ids=["one_micro_step", "a_whole_epoch"]
+)
+def test_exact_mode_drops_only_the_overflowing_micro_steps(overflow):
+    """torch.amp.GradScaler: each overflowing micro-step is dropped (including the first one of an epoch, and all of
+    them); the dropped samples do not count toward the target batch size nor the averaging weight, so every epoch
+    averages MICRO_STEPS kept micro-steps; the scale backs off at once; no host sync in any no-sync step"""
+    epoch, params, loaded, sync_ops, scales = train("torch", reuse_grad_buffers=False, overflow=overflow)
+    expected, _ = native_reference(drop="micro_step", overflow=overflow)
     assert epoch == EPOCHS
-    full, dropped = (MICRO_STEPS * BATCH, MICRO_STEPS), ((MICRO_STEPS - 1) * BATCH, MICRO_STEPS - 1)
-    assert loaded == {0: dropped, 1: full, 2: full}  # the averaging weight leaves the dropped micro-step out
+    assert loaded == {epoch: (MICRO_STEPS * BATCH, MICRO_STEPS) for epoch in range(EPOCHS)}
     for ours, ref in zip(params, expected, strict=True):
         torch.testing.assert_close(ours, ref)
-    assert scales[OVERFLOW_AT[0] * MICRO_STEPS + OVERFLOW_AT[1]] == SCALE / 2 == expected_scale  # backed off at once
-    assert sync_ops == [0] * len(sync_ops) and len(sync_ops) == EPOCHS * (MICRO_STEPS - 1)
+    assert scales[min(overflow)] == SCALE / 2 and scales[-1] == SCALE / 2 ** len(overflow)  # backed off each time
+    assert sync_ops == [0] * len(sync_ops) and len(sync_ops) >= EPOCHS * (MICRO_STEPS - 1)
+
+
+@pytest.mark.forked
+def test_disabled_grad_scaler_counts_as_none():
+    epoch, params, *_ = train("torch_disabled", reuse_grad_buffers=False)
+    expected, _ = native_reference(drop="micro_step")
+    assert epoch == EPOCHS
+    for ours, ref in zip(params, expected, strict=True):
+        torch.testing.assert_close(ours, ref)
+
+
+@pytest.mark.forked
+def test_hivemind_grad_scaler_in_exact_mode_is_a_clear_error():
+    """its unscale_ leaves gradients scaled between global steps: a loop that clips would clip scaled values"""
+    with pytest.raises(ValueError, match="torch.amp.GradScaler"):
+        train("hivemind", reuse_grad_buffers=False)
 
 
 @pytest.mark.forked
 def test_in_place_mode_drops_the_overflowing_epoch_like_native():
-    epoch, params, loaded, sync_ops, scales = train("hivemind", reuse_grad_buffers=True)
-    expected, expected_scale = native_reference(drop="epoch")
+    overflow = frozenset({2})
+    epoch, params, loaded, sync_ops, scales = train("hivemind", reuse_grad_buffers=True, overflow=overflow)
+    expected, expected_scale = native_reference(drop="epoch", overflow=overflow)
     assert epoch == EPOCHS
     full = (MICRO_STEPS * BATCH, MICRO_STEPS)
     assert loaded == {0: (0, 0), 1: full, 2: full}  # the overflowing round was dropped before reaching the averager
@@ -219,8 +294,8 @@ def test_in_place_mode_drops_the_overflowing_epoch_like_native():
 @pytest.mark.forked
 def test_sync_guard_sees_upstreams_per_micro_step_overflow_check():
     """the guard above is not vacuous: upstream's no-sync step reads the overflow flag on the host every micro-step"""
-    *_, sync_ops, _ = train("hivemind", reuse_grad_buffers=True, optimizer_cls=hivemind.Optimizer)
-    assert all(count >= 1 for count in sync_ops) and len(sync_ops) == EPOCHS * (MICRO_STEPS - 1)
+    *_, sync_ops, _ = train("hivemind", reuse_grad_buffers=True, overflow=frozenset({2}), optimizer_cls=hivemind.Optimizer)
+    assert all(count >= 1 for count in sync_ops) and len(sync_ops) >= MICRO_STEPS - 1
 
 
 @pytest.mark.forked

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import hivemind_accum
-from tests.conftest import wait_for_tracker
+from tests.conftest import SINGLE_PEER_TRACKER
 
 
 def _train_one_peer(optimizer_cls_name: str, reuse_grad_buffers: bool, offload: bool, zero_grad: bool, result_queue):
@@ -24,7 +24,8 @@ def _train_one_peer(optimizer_cls_name: str, reuse_grad_buffers: bool, offload: 
         kwargs = dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), offload_optimizer=False)
     opt = optimizer_cls(
         dht=dht, run_id=f"single_{optimizer_cls_name}", target_batch_size=12, batch_size_per_step=4,
-        matchmaking_time=0.5, averaging_timeout=5, reuse_grad_buffers=reuse_grad_buffers, verbose=False, **kwargs,
+        matchmaking_time=0.5, averaging_timeout=5, reuse_grad_buffers=reuse_grad_buffers, verbose=False,
+        tracker_opts=SINGLE_PEER_TRACKER, **kwargs,
     )
     generator = torch.Generator().manual_seed(1)
     initial = [p.detach().clone() for p in model.parameters()]
@@ -36,7 +37,6 @@ def _train_one_peer(optimizer_cls_name: str, reuse_grad_buffers: bool, offload: 
                 opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
-            wait_for_tracker(opt)
             epochs.append(opt.local_epoch)
         averager = f"{type(opt.grad_averager).__module__}.{type(opt.grad_averager).__name__}"
         result_queue.put((epochs, initial, [p.detach().clone() for p in model.parameters()], averager))

@@ -111,9 +111,12 @@ class GradientAverager(upstream.GradientAverager):
         )
         # micro-steps dropped for inf/NaN gradients (accumulate_grads_ with inv_grad_scale), counted on the device
         # without a host sync and subtracted from the host counters when the accumulators are loaded
-        counter_device = self._accumulators.buckets[0].flat.device
-        self._dropped_samples, self._dropped_micro_steps = torch.zeros(2, device=counter_device)
+        # and the batch size of the first micro-step kept (upstream weighs micro-step i by b_i / b_first: if the first
+        # micro-step is dropped, the accumulators are rescaled once at load time, by _anchor_correction)
+        self._drop_counters = torch.zeros(3, device=self._accumulators.buckets[0].flat.device)
+        self._dropped_samples, self._dropped_micro_steps, self._first_kept_batch_size = self._drop_counters
         self._may_have_dropped = False
+        self._anchor_correction = 1.0
         self._local_accumulators = self._accumulators.views  # upstream's name, read by hivemind's own code
         if reuse_grad_buffers:
             self._attach_grads_()
@@ -184,7 +187,8 @@ class GradientAverager(upstream.GradientAverager):
         and a micro-step whose gradients hold any inf or NaN is dropped whole: it adds nothing, and its micro-step and
         samples are subtracted from ``local_times_accumulated`` and ``local_samples_accumulated`` (hence from the
         averaging weight) at the next ``load_accumulators_into_averager_``, the only point that reads the decision on
-        the host. No host-device synchronization here; the gradients in ``.grad`` are left as they are.
+        the host; if the first micro-step was dropped, the batch-size weights are rebased there on the first one kept,
+        so the result equals upstream's fed only the kept micro-steps. No host-device synchronization here; the gradients in ``.grad`` are left as they are.
 
         :param batch_size: number of samples in this micro-batch, a positive integer
         :param inv_grad_scale: optional 0-dim float32 tensor on any device, ``1 / loss_scale`` of this micro-step's
@@ -230,6 +234,7 @@ class GradientAverager(upstream.GradientAverager):
             )
             self._dropped_samples.add_(found_inf, alpha=batch_size)
             self._dropped_micro_steps.add_(found_inf)
+            self._first_kept_batch_size.add_((self._first_kept_batch_size == 0) * (1 - found_inf), alpha=batch_size)
             self._may_have_dropped = True
             return found_inf
         return None
@@ -238,14 +243,14 @@ class GradientAverager(upstream.GradientAverager):
         """subtract micro-steps dropped for inf/NaN gradients from the host counters: one host sync per round"""
         if not self._may_have_dropped:
             return
-        counters = torch.stack([self._dropped_samples, self._dropped_micro_steps]).tolist()
-        dropped_samples, dropped_micro_steps = map(round, counters)
+        dropped_samples, dropped_micro_steps, first_kept_batch_size = map(round, self._drop_counters.tolist())
         if dropped_micro_steps:
             logger.info(f"Dropped {dropped_micro_steps} micro-step(s), {dropped_samples} samples, with inf/NaN grads")
         self.local_samples_accumulated -= dropped_samples
         self.local_times_accumulated -= dropped_micro_steps
-        self._dropped_samples.zero_()
-        self._dropped_micro_steps.zero_()
+        if first_kept_batch_size:  # kept (not zeroed) so that later micro-steps do not overwrite it
+            self._anchor_correction = self._anchor_batch_size / first_kept_batch_size
+        self._drop_counters[:2].zero_()
         self._may_have_dropped = False
 
     def step(
@@ -292,10 +297,9 @@ class GradientAverager(upstream.GradientAverager):
         self.local_samples_accumulated = self.local_times_accumulated = 0
         self._anchor_batch_size = None
         self._warned_unequal_batches = False
-        if self._may_have_dropped:
-            self._dropped_samples.zero_()
-            self._dropped_micro_steps.zero_()
-            self._may_have_dropped = False
+        self._drop_counters.zero_()
+        self._may_have_dropped = False
+        self._anchor_correction = 1.0
         if self.reuse_grad_buffers:
             for param, view in zip(self.parameters, self._accumulators.views):
                 param.grad = view
@@ -325,7 +329,8 @@ class GradientAverager(upstream.GradientAverager):
         if self.reuse_grad_buffers:
             self._attach_grads_()
         self._settle_dropped_micro_steps()
-        grad_scale = (1.0 / self.local_times_accumulated) if self.local_times_accumulated != 0 else 0.0
+        times = self.local_times_accumulated
+        grad_scale = (self._anchor_correction / times) if times != 0 else 0.0
         with self.get_tensors() as averaged_grads:
             self._accumulators.scaled_copy_to_(self._averaged_target(averaged_grads), grad_scale)
 

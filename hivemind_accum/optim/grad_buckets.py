@@ -24,9 +24,10 @@ class GradientBucket:
     :param views: per-tensor views of ``flat``, in the order of ``indices``
     :param source_device: the device of the tensors this bucket mirrors (gradients are read from there)
     :param source_dtype: the dtype of the tensors this bucket mirrors (``flat`` may be float32 for fp16/bf16 ones)
-    :param staging: a same-layout buffer in the source dtype on ``flat``'s device, allocated on first use when
-      gradients must be copied before they are added: across devices (``accumulate_grads_on``), across dtypes
-      (float32 buffers for fp16/bf16 gradients) or to be checked for inf/NaN (:meth:`GradientBuckets.add_finite_`)
+    :param staging: a same-layout buffer of ``flat``'s device and dtype, allocated on first use when gradients must
+      be copied (and cast) before they are added: across devices (``accumulate_grads_on``), across dtypes (float32
+      buffers for fp16/bf16 gradients: unscaling then happens in float32) or to be checked for inf/NaN
+      (:meth:`GradientBuckets.add_finite_`)
     """
 
     flat: torch.Tensor
@@ -37,9 +38,10 @@ class GradientBucket:
     staging: Optional["GradientBucket"] = field(default=None, repr=False)
 
     def stage_(self, sources: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-        """copy ``sources`` (one per view, None = zeros) into the staging buffer with one fused copy; return it flat"""
+        """copy ``sources`` (one per view, None = zeros) into the staging buffer with one fused copy, cast to the
+        buffer's dtype; return the staging buffer flat"""
         if self.staging is None:
-            self.staging = _make_bucket(self.views, self.indices, self.flat.device, self.source_dtype)
+            self.staging = _make_bucket(self.views, self.indices, self.flat.device, self.flat.dtype)
         present = [k for k, grad in enumerate(sources) if grad is not None]
         absent = [self.staging.views[k] for k, grad in enumerate(sources) if grad is None]
         if absent:
@@ -59,6 +61,12 @@ def _dense_strides(tensor: torch.Tensor) -> Tuple[int, ...]:
 
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """move a flag or scale across devices: without blocking towards an accelerator (stream-ordered), blocking
+    towards the CPU, whose kernels would otherwise read the destination before the copy lands"""
+    return tensor.to(device, non_blocking=torch.device(device).type != "cpu")
 
 
 def _make_bucket(
@@ -187,13 +195,13 @@ class GradientBuckets:
             device = bucket.flat.device
             flat = bucket.stage_([sources[i] for i in bucket.indices])
             bucket_inf = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
-            bucket_inv_scale = inv_scale.to(device, non_blocking=True)
+            bucket_inv_scale = _to_device(inv_scale, device)
             torch._amp_foreach_non_finite_check_and_unscale_([flat], bucket_inf, bucket_inv_scale)
             if bucket_inf is not found_inf:
-                found_inf.add_(bucket_inf.to(found_inf.device, non_blocking=True))
+                found_inf.add_(_to_device(bucket_inf, found_inf.device))
             staged.append(flat)
         for bucket, flat in zip(self.buckets, staged):  # a micro-step counts only if all of it is finite
-            dropped = found_inf.to(flat.device, non_blocking=True) != 0
+            dropped = _to_device(found_inf, flat.device) != 0
             bucket.flat.add_(flat.masked_fill_(dropped, 0), alpha=alpha)
         return found_inf.clamp_(max=1.0)
 

@@ -25,7 +25,7 @@ class Optimizer(upstream.Optimizer):
       averager_rank=r)`` for PowerSGD);
     - ``zero_grad`` is allowed with ``reuse_grad_buffers=True`` (see :meth:`zero_grad`);
     - loss scaling (``scaler.step(opt)`` or ``opt.step(grad_scaler=scaler)``) costs no host-device synchronization
-      in the no-sync step (see :meth:`step`), and a plain ``torch.amp.GradScaler`` works in the exact mode.
+      in the no-sync step and drops only an overflowing micro-step in the exact mode (see :meth:`step`).
 
     See :class:`hivemind.Optimizer` for all parameters.
     """
@@ -47,14 +47,15 @@ class Optimizer(upstream.Optimizer):
         """
         As :meth:`hivemind.Optimizer.step`, with loss scaling handled on the device:
 
-        - exact mode (``reuse_grad_buffers=False``), with ``torch.amp.GradScaler`` or ``hivemind.GradScaler``: each
-          micro-step's gradients are unscaled and checked for inf/NaN on the device as they are accumulated
+        - exact mode (``reuse_grad_buffers=False``), with ``torch.amp.GradScaler``: each micro-step's gradients are
+          unscaled (in the accumulators' dtype) and checked for inf/NaN on the device as they are accumulated
           (:meth:`GradientAverager.accumulate_grads_` with ``inv_grad_scale``). A micro-step that overflows is dropped
-          whole, its samples leave this peer's averaging weight, and the scaler's ``update()`` backs the scale off as
-          usual; the rest of the epoch's micro-steps still count. ``.grad`` keeps the scaled gradients unless the
-          loop called ``scaler.unscale_(opt)``. With ``torch.amp.GradScaler`` neither ``step`` nor ``update``
-          synchronizes; ``hivemind.GradScaler.update`` reads the overflow flag on the host (upstream code) and grows
-          the scale only after global steps.
+          whole and the scaler's ``update()`` backs the scale off as usual; the rest of the epoch's micro-steps still
+          count. Its samples leave this peer's averaging weight and, read once when the epoch is due, its progress:
+          if the dropped samples were needed to reach the target batch size, the epoch goes on. ``.grad`` keeps the
+          scaled gradients unless the loop called ``scaler.unscale_(opt)``. Neither ``step`` nor ``update``
+          synchronizes. The scale may grow after ``growth_interval`` micro-steps without overflow (it is only used
+          within a micro-step, so this is safe).
         - in-place mode (``reuse_grad_buffers=True``), ``hivemind.GradScaler`` only: the no-sync step does no
           check at all; the accumulated gradients are unscaled and checked once per round, before averaging (one
           host sync per round). If any micro-step overflowed, the round's accumulated gradients are dropped, as
@@ -63,11 +64,15 @@ class Optimizer(upstream.Optimizer):
 
         :param closure: A closure that reevaluates the model and returns the loss
         :param batch_size: optional override for batch_size_per_step from init
-        :param grad_scaler: ``hivemind.GradScaler`` (either mode) or ``torch.amp.GradScaler`` (exact mode only)
-        :raises ValueError: for a grad scaler other than those, or a ``torch.amp.GradScaler`` with
-          ``reuse_grad_buffers=True`` (its ``unscale_`` would unscale the accumulated gradients again every micro-step)
+        :param grad_scaler: ``torch.amp.GradScaler`` with ``reuse_grad_buffers=False``, ``hivemind.GradScaler`` with
+          ``reuse_grad_buffers=True``; a disabled scaler counts as none
+        :raises ValueError: for any other grad scaler: a ``torch.amp.GradScaler`` in in-place mode (its ``unscale_``
+          would unscale the accumulated gradients again every micro-step) or a ``hivemind.GradScaler`` in exact mode
+          (its ``unscale_`` does nothing between global steps, so clipping would see scaled gradients)
         """
-        if grad_scaler is None or not grad_scaler.is_enabled() or not self.use_gradient_averaging or self.auxiliary:
+        if grad_scaler is not None and not grad_scaler.is_enabled():
+            grad_scaler = None
+        if grad_scaler is None or not self.use_gradient_averaging or self.auxiliary:
             return super().step(closure, batch_size, grad_scaler)
         if self.grad_averager.reuse_grad_buffers:
             if not isinstance(grad_scaler, HivemindGradScaler):
@@ -77,8 +82,12 @@ class Optimizer(upstream.Optimizer):
                     f"or use reuse_grad_buffers=False, which accepts torch.amp.GradScaler"
                 )
             return super().step(closure, batch_size, grad_scaler)
-        if not isinstance(grad_scaler, torch.amp.GradScaler):
-            raise ValueError(f"grad_scaler: expected torch.amp.GradScaler or hivemind.GradScaler, got {grad_scaler!r}")
+        if isinstance(grad_scaler, HivemindGradScaler) or not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise ValueError(
+                f"grad_scaler: reuse_grad_buffers=False needs torch.amp.GradScaler (got {type(grad_scaler).__name__}); "
+                f"hivemind.GradScaler is for reuse_grad_buffers=True: its unscale_ leaves gradients scaled until the "
+                f"global step, so a loop that clips them would clip scaled values"
+            )
         state = grad_scaler._per_optimizer_states[id(self)]
         if not state["found_inf_per_device"]:  # update() needs a record even if this micro-step is discarded
             scale = grad_scaler._scale
@@ -107,6 +116,16 @@ class Optimizer(upstream.Optimizer):
             return super()._check_and_accumulate_gradients(batch_size, grad_scaler)
         self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
         return True
+
+    def _update_global_epoch(self, grad_scaler: Optional[HivemindGradScaler]) -> None:
+        """exact mode with a grad scaler: before the epoch ends, subtract the micro-steps dropped for overflow from the
+        reported progress (one host read per epoch); if the swarm is then short of its target, the epoch goes on"""
+        if self._micro_step_scaler is not None and self.grad_averager._may_have_dropped:
+            self.grad_averager._settle_dropped_micro_steps()
+            self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
+            if not self.tracker.ready_to_update_epoch:
+                return
+        super()._update_global_epoch(grad_scaler)
 
     def _begin_averaging_gradients(self, grad_scaler: Optional[HivemindGradScaler]) -> bool:
         """in-place mode with a grad scaler: unscale the accumulated gradients and, if they overflowed, drop them
