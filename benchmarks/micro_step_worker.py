@@ -11,7 +11,9 @@ and the parameter count. Implementations:
 - ``native``: plain PyTorch accumulation, ``loss.backward()`` into the existing ``.grad``, no optimizer call;
 - ``upstream``: ``hivemind.Optimizer`` (upstream ``GradientAverager``), ``zero_grad()`` before every backward;
 - ``exact``: ``hivemind_accum.Optimizer`` (``reuse_grad_buffers=False``), same loop as upstream;
-- ``inplace``: ``hivemind_accum.Optimizer(reuse_grad_buffers=True)``, no ``zero_grad`` (autograd accumulates).
+- ``inplace``: ``hivemind_accum.Optimizer(reuse_grad_buffers=True)``, no ``zero_grad`` (autograd accumulates);
+- ``native_hivemind`` (a control, not in the sweep's default set): native accumulation in a process that also holds a
+  started ``hivemind_accum.Optimizer`` (exact mode, never stepped): what hivemind's presence alone costs a micro-step.
 
 Precisions (``--precision``): ``fp32``; ``bf16``: the forward pass under CPU bf16 autocast; ``fp16``: fp16 autocast
 with loss scaling, where native accumulation scales the loss (``torch.amp.GradScaler``, whose ``step`` and ``update``
@@ -33,6 +35,7 @@ import torch
 from benchmarks.models import build_model, make_inputs
 
 IMPLEMENTATIONS = ("native", "upstream", "exact", "inplace")
+CONTROLS = ("native_hivemind",)
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -75,7 +78,9 @@ def run(
                 loss = model(inputs).float().square().mean()
             (scaler.scale(loss) if scaler is not None else loss).backward()
             step_start = time.perf_counter()
-            if opt is not None and scaler is not None:
+            if impl == "native_hivemind":
+                pass
+            elif opt is not None and scaler is not None:
                 scaler.step(opt)
                 scaler.update()
             elif opt is not None:
@@ -108,7 +113,7 @@ def run(
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--impl", choices=IMPLEMENTATIONS, required=True)
+    parser.add_argument("--impl", choices=IMPLEMENTATIONS + CONTROLS, required=True)
     parser.add_argument("--model", default="linear-100m")
     parser.add_argument("--steps", type=int, default=10, help="measured micro-steps")
     parser.add_argument("--warmup", type=int, default=3, help="micro-steps before measuring")

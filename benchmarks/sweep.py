@@ -12,7 +12,10 @@ threshold, so freed memory stays in the heap. With glibc's defaults the result d
 trigger heap trimming: measured here, native accumulation on ConvNeXt-Large faulted in about 350 000 pages per
 micro-step (460 ms of system time, 1.12 s per micro-step), while the same loop after ``hivemind.Optimizer``'s
 initialization faulted almost none (0.74 s); with these settings both take 0.72 s. The ratios then measure
-accumulation work, not allocator luck.
+accumulation work, not allocator luck. Each worker warms up for 10 micro-steps: per-micro-step rusage showed some
+hivemind processes still growing their heap (4 000-16 000 fresh pages, 16-64 MB, per micro-step, 10-50 ms of system
+time) until about the 10th micro-step, while native processes settle after 1-2; measured earlier, that read as
+in-place mode running 1.05-1.38x native.
 
 A model name may carry a precision, ``<model>:<precision>`` with precision ``fp32`` (default), ``bf16`` or ``fp16``
 (see :mod:`benchmarks.micro_step_worker`); ratios are then to native accumulation in the same precision.
@@ -67,7 +70,7 @@ def run_sweep(
     impls: Sequence[str] = IMPLEMENTATIONS,
     rounds: int = 2,
     steps: int = 6,
-    warmup: int = 4,
+    warmup: int = 10,
     batch_size: int = 4,
     threads: int = 1,
     verbose: bool = True,
@@ -193,7 +196,7 @@ def main(argv=None):
                         help="linear-<N>m, resnet152, convnext-large (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=2, help="fresh processes per implementation, alternating (default: 2)")
     parser.add_argument("--steps", type=int, default=6, help="measured micro-steps per process (default: 6)")
-    parser.add_argument("--warmup", type=int, default=4, help="micro-steps before measuring (default: 4)")
+    parser.add_argument("--warmup", type=int, default=10, help="micro-steps before measuring (default: 10)")
     parser.add_argument("--batch-size", type=int, default=4, help="samples per micro-batch (default: 4)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker (default: 1)")
     parser.add_argument("--output-dir", default=RESULTS_DIR, help="where to write <name>.{json,md} and the plots")
