@@ -59,8 +59,8 @@ class GradientAverager(upstream.GradientAverager):
     :param prefix: a unique DHT key used for matchmaking, e.g. your experiment name with optional suffixes
     :param reuse_grad_buffers: if True, in-place mode: ``param.grad`` become views of the accumulators
     :param accumulate_in_fp32: exact mode only: if True (default), fp16/bf16 gradients accumulate into float32
-      buffers (each micro-step copies them into a persistent staging buffer of the parameters' dtype, then adds with
-      one flat op per bucket); if False, they accumulate in the parameters' dtype, halving accumulator memory
+      buffers (each micro-step copies and casts them into a persistent float32 staging buffer, then adds with one
+      flat op per bucket); if False, they accumulate in the parameters' dtype, halving accumulator memory
     :param accumulate_grads_on: if specified, place the accumulators on this device (e.g. ``"cpu"`` to save device
       memory; each micro-step then copies gradients into a persistent staging buffer there). By default each
       accumulator lives on its parameters' device. Ignored (with a warning) if ``reuse_grad_buffers=True``.
@@ -188,7 +188,8 @@ class GradientAverager(upstream.GradientAverager):
         samples are subtracted from ``local_times_accumulated`` and ``local_samples_accumulated`` (hence from the
         averaging weight) at the next ``load_accumulators_into_averager_``, the only point that reads the decision on
         the host; if the first micro-step was dropped, the batch-size weights are rebased there on the first one kept,
-        so the result equals upstream's fed only the kept micro-steps. No host-device synchronization here; the gradients in ``.grad`` are left as they are.
+        so the result equals upstream's fed only the kept micro-steps. No host-device synchronization here; the
+        gradients in ``.grad`` are left as they are.
 
         :param batch_size: number of samples in this micro-batch, a positive integer
         :param inv_grad_scale: optional 0-dim float32 tensor on any device, ``1 / loss_scale`` of this micro-step's

@@ -184,7 +184,7 @@ class GradientBuckets:
 
         :param sources: as in :meth:`add_`
         :param inv_scale: 0-dim float32 tensor, ``1 / loss_scale`` (``1.0`` for already unscaled gradients), on any
-          device; copied to each bucket's device without blocking
+          device; copied to each bucket's device (blocking only towards the CPU)
         :param alpha: scalar weight applied to every source
         :returns: ``found_inf``, a 0-dim float32 tensor on the first bucket's device: 1.0 if the sources were
           dropped, 0.0 if they were added

@@ -142,18 +142,15 @@ class Optimizer(upstream.Optimizer):
         return super()._begin_averaging_gradients(None)
 
     def _load_averaged_gradients_into_optimizer_(self):
-        """as upstream, but a missing ``.grad`` gets the averaged gradient in the parameter's dtype and device (the
-        averaged buffers are float32 on CPU for fp16/bf16 parameters)"""
+        """as upstream, but a missing ``.grad`` is first created in the parameter's dtype and device, so upstream
+        copies the averaged gradient into it (upstream would assign a clone of the float32 CPU buffer, which cannot
+        be the ``.grad`` of an fp16/bf16 or CUDA parameter)"""
         if not self.offload_optimizer:
-            params = [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]
-            with torch.no_grad(), self.grad_averager.get_tensors() as averaged_gradients:
-                assert len(averaged_gradients) == len(params)
-                for param, averaged_grad in zip(params, averaged_gradients):
+            for group in self.state_averager.optimizer.param_groups:
+                for param in group["params"]:
                     if param.grad is None:
-                        param.grad = averaged_grad.to(device=param.device, dtype=param.dtype, copy=True)
-                    else:
-                        param.grad.copy_(averaged_grad, non_blocking=True)
-        self.grad_averager.notify_used_averaged_gradients()
+                        param.grad = torch.zeros_like(param)
+        super()._load_averaged_gradients_into_optimizer_()
 
     def zero_grad(self, set_to_none: bool = True):
         """
