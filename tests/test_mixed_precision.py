@@ -412,3 +412,29 @@ def test_cuda_no_sync_step_with_grad_scaler_does_not_synchronize(reuse_grad_buff
     finally:
         opt.shutdown()
         dht.shutdown()
+
+
+@pytest.mark.forked
+def test_missing_grad_receives_averaged_gradient_in_parameter_dtype():
+    """offload_optimizer=False with a bf16 model: a parameter without .grad at the global step gets the float32
+    averaged gradient cast to bf16 (upstream assigns a float32 clone, which torch refuses)"""
+    model = torch.nn.Linear(4, 3).bfloat16()
+    dht = hivemind.DHT(start=True)
+    opt = hivemind_accum.Optimizer(
+        dht=dht, run_id="missing_grad", optimizer=torch.optim.SGD(model.parameters(), lr=0.1), offload_optimizer=False,
+        target_batch_size=8, batch_size_per_step=2, tracker_opts=SINGLE_PEER_TRACKER,
+    )
+    try:
+        with opt.grad_averager.get_tensors() as averaged:
+            for k, tensor in enumerate(averaged):
+                assert tensor.dtype == torch.float32
+                tensor.copy_(torch.full_like(tensor, 0.25 * (k + 1)))
+        for param in model.parameters():
+            param.grad = None
+        opt._load_averaged_gradients_into_optimizer_()
+        for k, param in enumerate(model.parameters()):
+            assert param.grad.dtype == torch.bfloat16
+            torch.testing.assert_close(param.grad, torch.full_like(param, 0.25 * (k + 1)))
+    finally:
+        opt.shutdown()
+        dht.shutdown()
