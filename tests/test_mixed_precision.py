@@ -1,6 +1,7 @@
 """
-Mixed precision: fp32 accumulation of bf16/fp16 gradients, overflowing micro-steps dropped on the device without a
-host sync, and PowerSGD with a bf16 model. Oracles: an fp64 sum, native PyTorch accumulation (with the same
+Mixed precision: fp32 accumulation of bf16/fp16 gradients, overflowing micro-steps dropped (on the device without a
+host sync, or on the CPU after one free host read: both paths are tested on CPU, the device path by forcing it),
+and PowerSGD with a bf16 model. Oracles: an fp64 sum, native PyTorch accumulation (with the same
 scripted overflow) and hand-computed native accumulation of the micro-steps that did not overflow.
 """
 import multiprocessing as mp
@@ -16,10 +17,18 @@ from torch.profiler import ProfilerActivity, profile
 
 import hivemind_accum
 from hivemind_accum import GradientAverager
+from hivemind_accum.optim import grad_buckets
 from tests.conftest import SINGLE_PEER_TRACKER, MixedNet, mixed_batch, swarm
 from tests.test_grad_scaler import BATCH, EPOCHS, LR, MICRO_STEPS, SCALE, make_model
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero")  # what .item() / bool(tensor) launch
+LOSS_SCALING_PATHS = ["host_check", "device_check"]  # GradientBuckets.add_finite_'s two paths
+
+
+def force_loss_scaling_path(path: str) -> None:
+    """make add_finite_ take ``path`` even on CPU (it picks host_check when all data is on the CPU); call it in the
+    process that trains (tests here are forked, so the change dies with the test)"""
+    grad_buckets._host_check_is_free = lambda buckets: path == "host_check"
 
 
 @pytest.mark.forked
@@ -56,9 +65,11 @@ def test_low_precision_gradients_accumulate_in_fp32(dht, dtype):
 
 
 @pytest.mark.forked
-def test_overflowing_micro_step_is_dropped_on_the_device(dht):
+@pytest.mark.parametrize("path", LOSS_SCALING_PATHS)
+def test_overflowing_micro_step_is_dropped(dht, path):
     """a scripted inf/NaN in micro-step j of K: the averaged gradient equals native accumulation of the other K - 1
-    (unscaled), the averaging weight counts their samples only, and .grad is left untouched"""
+    (unscaled), the averaging weight counts their samples only, and .grad is left untouched; in both paths"""
+    force_loss_scaling_path(path)
     torch.manual_seed(0)
     model = MixedNet()
     averager = GradientAverager(model.parameters(), dht=dht, prefix="overflow", start=False)
@@ -94,9 +105,11 @@ def test_overflowing_micro_step_is_dropped_on_the_device(dht):
 
 
 @pytest.mark.forked
-def test_dropped_first_micro_step_does_not_anchor_batch_size_weights(dht):
+@pytest.mark.parametrize("path", LOSS_SCALING_PATHS)
+def test_dropped_first_micro_step_does_not_anchor_batch_size_weights(dht, path):
     """upstream weighs micro-step i by b_i / b_first; when the first micro-step is dropped, the result must equal
     upstream's averager fed only the kept micro-steps"""
+    force_loss_scaling_path(path)
     ours_model, ref_model = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     ours = GradientAverager(ours_model.parameters(), dht=dht, prefix="anchor", start=False)
     ref = UpstreamGradientAverager(ref_model.parameters(), dht=dht, prefix="anchor_ref", start=False)
@@ -119,9 +132,11 @@ def test_dropped_first_micro_step_does_not_anchor_batch_size_weights(dht):
 
 
 @pytest.mark.forked
-def test_fp16_gradients_are_unscaled_in_fp32(dht):
+@pytest.mark.parametrize("path", LOSS_SCALING_PATHS)
+def test_fp16_gradients_are_unscaled_in_fp32(dht, path):
     """loss scaling exists to keep small fp16 gradients: unscaling must happen after the cast to the float32
     accumulator, or values below fp16's range (6e-8) become zero"""
+    force_loss_scaling_path(path)
     scale = 2.0**16
     model = torch.nn.Linear(100, 10).half()
     averager = GradientAverager(model.parameters(), dht=dht, prefix="fp16", start=False)
@@ -185,7 +200,9 @@ def native_reference(drop: str, overflow=frozenset()):
     return [p.detach().clone() for p in model.parameters()], scaler.get_scale() if drop == "epoch" else None
 
 
-def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivemind_accum.Optimizer):
+def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivemind_accum.Optimizer, path=None):
+    if path is not None:
+        force_loss_scaling_path(path)
     model = make_model()
     dht = hivemind.DHT(start=True)
     opt = optimizer_cls(
@@ -231,10 +248,12 @@ def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivem
         dht.shutdown()
 
 
-def train(scaler_kind: str, reuse_grad_buffers: bool, overflow=frozenset(), optimizer_cls=hivemind_accum.Optimizer):
+def train(scaler_kind: str, reuse_grad_buffers: bool, overflow=frozenset(), optimizer_cls=hivemind_accum.Optimizer,
+          path=None):
+    """train one peer in a fresh process; ``path`` forces add_finite_'s loss-scaling path (None: its own choice)"""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    process = ctx.Process(target=_train, args=(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls))
+    process = ctx.Process(target=_train, args=(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls, path))
     process.start()
     result = queue.get(timeout=120)
     process.join(timeout=60)
@@ -250,15 +269,22 @@ def train(scaler_kind: str, reuse_grad_buffers: bool, overflow=frozenset(), opti
 def test_exact_mode_drops_only_the_overflowing_micro_steps(overflow):
     """torch.amp.GradScaler: each overflowing micro-step is dropped (including the first one of an epoch, and all of
     them); the dropped samples do not count toward the target batch size nor the averaging weight, so every epoch
-    averages MICRO_STEPS kept micro-steps; the scale backs off at once; no host sync in any no-sync step"""
-    epoch, params, loaded, sync_ops, scales = train("torch", reuse_grad_buffers=False, overflow=overflow)
+    averages MICRO_STEPS kept micro-steps; the scale backs off at once. Both loss-scaling paths give bit-identical
+    parameters; the device path (CUDA's) makes no host sync in any no-sync step, the host path (what CPU data gets)
+    reads the overflow decision on the host, where it costs nothing"""
+    runs = {path: train("torch", reuse_grad_buffers=False, overflow=overflow, path=path) for path in LOSS_SCALING_PATHS}
     expected, _ = native_reference(drop="micro_step", overflow=overflow)
-    assert epoch == EPOCHS
-    assert loaded == {epoch: (MICRO_STEPS * BATCH, MICRO_STEPS) for epoch in range(EPOCHS)}
-    for ours, ref in zip(params, expected, strict=True):
-        torch.testing.assert_close(ours, ref)
-    assert scales[min(overflow)] == SCALE / 2 and scales[-1] == SCALE / 2 ** len(overflow)  # backed off each time
-    assert sync_ops == [0] * len(sync_ops) and len(sync_ops) >= EPOCHS * (MICRO_STEPS - 1)
+    for path, (epoch, params, loaded, sync_ops, scales) in runs.items():
+        assert epoch == EPOCHS, path
+        assert loaded == {epoch: (MICRO_STEPS * BATCH, MICRO_STEPS) for epoch in range(EPOCHS)}, path
+        for ours, ref in zip(params, expected, strict=True):
+            torch.testing.assert_close(ours, ref)
+        assert scales[min(overflow)] == SCALE / 2 and scales[-1] == SCALE / 2 ** len(overflow), path  # backed off
+        assert len(sync_ops) >= EPOCHS * (MICRO_STEPS - 1), path
+    for host, device in zip(runs["host_check"][1], runs["device_check"][1], strict=True):
+        torch.testing.assert_close(host, device, rtol=0, atol=0)
+    assert runs["device_check"][3] == [0] * len(runs["device_check"][3])
+    assert all(count >= 1 for count in runs["host_check"][3])
 
 
 @pytest.mark.forked

@@ -188,7 +188,9 @@ class GradientAverager(upstream.GradientAverager):
         samples are subtracted from ``local_times_accumulated`` and ``local_samples_accumulated`` (hence from the
         averaging weight) at the next ``load_accumulators_into_averager_``, the only point that reads the decision on
         the host; if the first micro-step was dropped, the batch-size weights are rebased there on the first one kept,
-        so the result equals upstream's fed only the kept micro-steps. No host-device synchronization here; the
+        so the result equals upstream's fed only the kept micro-steps. On an accelerator the decision stays on the
+        device (no host-device synchronization here); when gradients and accumulators are all on the CPU it is read on
+        the host, where that costs nothing, to save passes over memory (:meth:`GradientBuckets.add_finite_`). The
         gradients in ``.grad`` are left as they are.
 
         :param batch_size: number of samples in this micro-batch, a positive integer

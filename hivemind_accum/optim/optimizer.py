@@ -53,9 +53,10 @@ class Optimizer(upstream.Optimizer):
           whole and the scaler's ``update()`` backs the scale off as usual; the rest of the epoch's micro-steps still
           count. Its samples leave this peer's averaging weight and, read once when the epoch is due, its progress:
           if the dropped samples were needed to reach the target batch size, the epoch goes on. ``.grad`` keeps the
-          scaled gradients unless the loop called ``scaler.unscale_(opt)``. Neither ``step`` nor ``update``
-          synchronizes. The scale may grow after ``growth_interval`` micro-steps without overflow (it is only used
-          within a micro-step, so this is safe).
+          scaled gradients unless the loop called ``scaler.unscale_(opt)``. On an accelerator neither ``step`` nor
+          ``update`` synchronizes; with everything on the CPU the overflow decision is read on the host (free there),
+          which saves a pass over the gradients. The scale may grow after ``growth_interval`` micro-steps without
+          overflow (it is only used within a micro-step, so this is safe).
         - in-place mode (``reuse_grad_buffers=True``), ``hivemind.GradScaler`` only: the no-sync step does no
           check at all; the accumulated gradients are unscaled and checked once per round, before averaging (one
           host sync per round). If any micro-step overflowed, the round's accumulated gradients are dropped, as
