@@ -35,7 +35,16 @@ class _Logits(torch.nn.Module):
         return self.model(pixel_values=pixels).logits
 
 
-def make_inputs(name: str, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+def make_inputs(
+    name: str, batch_size: int, generator: torch.Generator, image_size: int = 32, device: str = "cpu"
+) -> torch.Tensor:
+    """
+    a batch of random inputs for :func:`build_model`'s model ``name``, drawn on ``device`` from ``generator`` (a
+    generator of that device)
+
+    :param image_size: side of the square 3-channel images for resnet152 and convnext-large (the slowdown report used
+      224); ignored for linear models, whose inputs are ``(batch_size, 2048)``
+    """
     if name.startswith("linear-"):
-        return torch.randn(batch_size, 2048, generator=generator)
-    return torch.randn(batch_size, 3, 32, 32, generator=generator)
+        return torch.randn(batch_size, 2048, generator=generator, device=device)
+    return torch.randn(batch_size, 3, image_size, image_size, generator=generator, device=device)

@@ -23,6 +23,12 @@ A model name may carry a precision, ``<model>:<precision>`` with precision ``fp3
 Run: ``python -m benchmarks.sweep`` (all sizes; about 10 minutes on 2 CPU cores), ``--help`` for options. The
 precision rows of the README: ``python -m benchmarks.sweep --models linear-10m linear-10m:bf16 linear-10m:fp16
 --name sweep_precision_cpu --no-plot``.
+
+On a GPU, ``--device cuda --preset report`` runs the slowdown report's setting (ResNet-152 and ConvNeXt-Large, batch
+32 of 224x224 images, fp16 autocast with loss scaling, ``target_batch_size=32768``) for native, upstream default,
+upstream ``reuse_grad_buffers=True``, exact and in place, and reports local throughput relative to native (each
+sample a window of ``--steps`` micro-steps with one synchronize at its end), the no-sync step's host time, host
+synchronizations, kernel launches and peak device memory; ``benchmarks/gpu_run.sh`` is the prepared command.
 """
 import argparse
 import json
@@ -31,33 +37,39 @@ import platform
 import statistics
 import subprocess
 import sys
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from benchmarks.micro_step_worker import IMPLEMENTATIONS
+from benchmarks.micro_step_worker import IMPLEMENTATIONS, PRESETS, REPORT_IMPLEMENTATIONS, WORK_KEYS
 
 DEFAULT_MODELS = ("linear-10m", "resnet152", "linear-100m", "convnext-large")
+REPORT_MODELS = ("resnet152", "convnext-large")
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MALLOC_ENV = dict(MALLOC_MMAP_THRESHOLD_=str(2**30), MALLOC_TRIM_THRESHOLD_=str(2**32))
 
 
-def run_configuration(impl: str, model: str, steps: int, warmup: int, batch_size: int, threads: int) -> dict:
+def run_configuration(
+    impl: str, model: str, steps: int, warmup: int, batch_size: int, threads: int, device: str = "cpu",
+    preset: Optional[str] = None, windows: int = 1,
+) -> dict:
     """
     Run one configuration in a fresh ``python -m benchmarks.micro_step_worker`` process.
 
     :param model: a model name, optionally with ``:<precision>`` (``linear-10m:bf16``)
-
+    :param device: ``cpu`` or ``cuda``: where the model, inputs, autocast and scaler live
+    :param preset: a worker preset (``report``) that overrides batch size, image size and precision
+    :param windows: CUDA only: timed windows of ``steps`` micro-steps (one sample each)
     :returns: the worker's JSON result (times in seconds, memory in bytes)
     :raises RuntimeError: with the worker's stderr tail if it fails
     """
     model, _, precision = model.partition(":")
     command = [
         sys.executable, "-m", "benchmarks.micro_step_worker", "--impl", impl, "--model", model,
-        "--precision", precision or "fp32", "--steps", str(steps),
-        "--warmup", str(warmup), "--batch-size", str(batch_size), "--threads", str(threads),
-    ]
+        "--precision", precision or "fp32", "--steps", str(steps), "--windows", str(windows),
+        "--warmup", str(warmup), "--batch-size", str(batch_size), "--threads", str(threads), "--device", device,
+    ] + (["--preset", preset] if preset else [])
     env = dict(os.environ, **MALLOC_ENV)
     proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -74,19 +86,28 @@ def run_sweep(
     batch_size: int = 4,
     threads: int = 1,
     verbose: bool = True,
+    device: str = "cpu",
+    preset: Optional[str] = None,
+    windows: int = 1,
+    partial_path: Optional[str] = None,
 ) -> Dict[str, Dict[str, List[dict]]]:
     """
+    :param partial_path: if given, the results so far are written there (JSON) after every process, so that a run cut
+      short by a time limit keeps what it measured
     :returns: ``results[model][impl]`` = list of worker results, one per round (per fresh process)
     """
     results = {model: {impl: [] for impl in impls} for model in models}
     for model in models:
         for round_ in range(rounds):
             for impl in impls if round_ % 2 == 0 else reversed(impls):
-                result = run_configuration(impl, model, steps, warmup, batch_size, threads)
+                result = run_configuration(impl, model, steps, warmup, batch_size, threads, device, preset, windows)
                 results[model][impl].append(result)
+                if partial_path is not None:
+                    with open(partial_path, "w") as f:
+                        json.dump(results, f)
                 if verbose:
                     print(
-                        f"[sweep] {model} round {round_ + 1}/{rounds} {impl:>8}: micro-step "
+                        f"[sweep] {model} round {round_ + 1}/{rounds} {impl:>14} on {device}: micro-step "
                         f"{1e3 * statistics.median(result['micro_step']):.1f} ms",
                         file=sys.stderr, flush=True,
                     )
@@ -99,30 +120,55 @@ def pooled(runs: List[dict], key: str) -> List[float]:
 
 
 def summarize(results: Dict[str, Dict[str, List[dict]]]) -> List[dict]:
-    """one row per (model, implementation): medians in milliseconds, ratios to native, peak RSS in MiB"""
+    """one row per (model, implementation): medians in milliseconds, ratios to native, throughput in samples/s,
+    peak RSS and device memory in MiB, and the profiled work of one no-sync step (see the worker)"""
     rows = []
     for model, by_impl in results.items():
         native = statistics.median(pooled(by_impl["native"], "micro_step")) if "native" in by_impl else None
+        native_device = by_impl["native"][0].get("peak_device_bytes") if "native" in by_impl else None
         for impl, runs in by_impl.items():
             micro = statistics.median(pooled(runs, "micro_step"))
             no_sync, load = pooled(runs, "no_sync_step"), pooled(runs, "load")
+            peak_device = max((run.get("peak_device_bytes") or 0) for run in runs) or None
+            work = {key: max((run["work"].get(key) for run in runs if run["work"].get(key) is not None), default=None)
+                    for key in WORK_KEYS}
             rows.append(dict(
-                model=model, impl=impl, params_m=runs[0]["params"] / 1e6, tensors=runs[0]["tensors"],
-                micro_step_ms=1e3 * micro,
+                model=model, impl=impl, device=runs[0].get("device", "cpu"), params_m=runs[0]["params"] / 1e6,
+                tensors=runs[0]["tensors"], batch_size=runs[0]["batch_size"], micro_step_ms=1e3 * micro,
+                throughput=runs[0]["batch_size"] / micro,
                 ratio_to_native=micro / native if native else None,
                 throughput_vs_native=native / micro if native else None,
                 no_sync_step_ms=1e3 * statistics.median(no_sync) if no_sync else None,
                 load_ms=1e3 * statistics.median(load) if load else None,
                 peak_rss_mib=max(run["peak_rss_bytes"] for run in runs) / 2**20,
-                processes=len(runs), samples=len(pooled(runs, "micro_step")),
+                peak_device_mib=peak_device / 2**20 if peak_device else None,
+                peak_device_vs_native=peak_device / native_device if peak_device and native_device else None,
+                processes=len(runs), samples=len(pooled(runs, "micro_step")), **work,
             ))
     return rows
 
 
 def markdown_table(rows: List[dict]) -> str:
+    """the CPU table (micro-step times), or, if any row was measured on CUDA, the GPU table (throughput, host syncs,
+    kernel launches, device memory)"""
     def fmt(value, spec):
         return "n/a" if value is None else format(value, spec)
 
+    if any(row.get("device") == "cuda" for row in rows):
+        lines = [
+            "| model (M params, tensors) | implementation | samples/s | throughput vs native | no-sync `step()` host ms "
+            "| host syncs per no-sync step | kernels per no-sync step | peak device MiB (vs native) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in rows:
+            syncs = "n/a" if row["impl"] == "native" else f"{row['sync_warnings']} ({row['host_reads']} reads)"
+            lines.append(
+                f"| {row['model']} ({row['params_m']:.1f} M, {row['tensors']}) | {row['impl']} | {row['throughput']:.0f} "
+                f"| {fmt(row['throughput_vs_native'], '.3f')} | {fmt(row['no_sync_step_ms'], '.2f')} | {syncs} "
+                f"| {'n/a' if row['impl'] == 'native' else row['kernels']} "
+                f"| {fmt(row['peak_device_mib'], '.0f')} ({fmt(row['peak_device_vs_native'], '.3f')}x) |"
+            )
+        return "\n".join(lines)
     lines = [
         "| model (M params, tensors) | implementation | micro-step ms | ratio to native | no-sync `step()` ms "
         "| averaging-time load ms | peak RSS MiB |",
@@ -145,9 +191,10 @@ def plot(rows: List[dict], output_dir: str, title_suffix: str) -> List[str]:
     import matplotlib.pyplot as plt
 
     paths = []
-    colors = dict(zip(IMPLEMENTATIONS, ("tab:gray", "tab:red", "tab:blue", "tab:green")))
+    colors = dict(zip(REPORT_IMPLEMENTATIONS, ("tab:gray", "tab:red", "tab:orange", "tab:blue", "tab:green")))
+    order = [impl for impl in REPORT_IMPLEMENTATIONS if any(r["impl"] == impl for r in rows)]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for impl in IMPLEMENTATIONS[1:]:
+    for impl in order[1:]:
         points = sorted((r["params_m"], r["no_sync_step_ms"]) for r in rows if r["impl"] == impl and r["no_sync_step_ms"])
         if points:
             ax.plot(*zip(*points), marker="o", label=impl, color=colors[impl])
@@ -163,8 +210,8 @@ def plot(rows: List[dict], output_dir: str, title_suffix: str) -> List[str]:
     plt.close(fig)
 
     models = list(dict.fromkeys(r["model"] for r in rows))
-    impls = [impl for impl in IMPLEMENTATIONS if any(r["impl"] == impl for r in rows)]
-    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    impls = order
+    fig, ax = plt.subplots(figsize=(8.4, 4.2))
     width = 0.8 / len(impls)
     for k, impl in enumerate(impls):
         values = [next((r["throughput_vs_native"] for r in rows if r["model"] == m and r["impl"] == impl), 0) for m in models]
@@ -175,7 +222,8 @@ def plot(rows: List[dict], output_dir: str, title_suffix: str) -> List[str]:
     ax.set_ylabel("local throughput, % of native PyTorch accumulation")
     ax.set_title(f"Local throughput relative to native ({title_suffix})")
     ax.axhline(100, color="gray", lw=0.8)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside the axes: it covers no bar
+    ax.set_ylim(0, max(110, 10 * (1 + max(100 * r["throughput_vs_native"] for r in rows) // 10)))
     paths.append(os.path.join(output_dir, "throughput_vs_native.png"))
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=120)
@@ -183,36 +231,53 @@ def plot(rows: List[dict], output_dir: str, title_suffix: str) -> List[str]:
     return paths
 
 
-def machine_description(threads: int) -> str:
+def machine_description(threads: int, device: str = "cpu") -> str:
+    gpu = f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}, " if device == "cuda" else ""
     return (
-        f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {threads} intra-op thread(s), "
-        f"Python {platform.python_version()}, glibc malloc {' '.join(f'{k}={v}' for k, v in MALLOC_ENV.items())}"
+        f"{gpu}{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {threads} intra-op "
+        f"thread(s), Python {platform.python_version()}, glibc malloc {' '.join(f'{k}={v}' for k, v in MALLOC_ENV.items())}"
     )
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS),
-                        help="linear-<N>m, resnet152, convnext-large (default: %(default)s)")
+    parser.add_argument("--models", nargs="+", help=f"linear-<N>m, resnet152, convnext-large (default: "
+                        f"{' '.join(DEFAULT_MODELS)}; with --preset report: {' '.join(REPORT_MODELS)})")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: %(default)s")
+    parser.add_argument("--preset", choices=PRESETS, help="report: the slowdown report's setting (batch 32 of 224x224 "
+                        "images, fp16 AMP with loss scaling, target 32768) with upstream reuse_grad_buffers=True too")
+    parser.add_argument("--impls", nargs="+", choices=REPORT_IMPLEMENTATIONS,
+                        help="implementations (default: native upstream exact inplace; with --preset, all five)")
     parser.add_argument("--rounds", type=int, default=2, help="fresh processes per implementation, alternating (default: 2)")
-    parser.add_argument("--steps", type=int, default=6, help="measured micro-steps per process (default: 6)")
+    parser.add_argument("--steps", type=int, help="measured micro-steps per process on CPU (default: 6), per window on "
+                        "CUDA (default: 30)")
+    parser.add_argument("--windows", type=int, default=2, help="CUDA: timed windows per process (default: 2)")
     parser.add_argument("--warmup", type=int, default=10, help="micro-steps before measuring (default: 10)")
-    parser.add_argument("--batch-size", type=int, default=4, help="samples per micro-batch (default: 4)")
+    parser.add_argument("--batch-size", type=int, default=4, help="samples per micro-batch (default: 4; the preset: 32)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker (default: 1)")
     parser.add_argument("--output-dir", default=RESULTS_DIR, help="where to write <name>.{json,md} and the plots")
-    parser.add_argument("--name", default="sweep_cpu", help="file name of the results (default: %(default)s)")
+    parser.add_argument("--name", help="file name of the results (default: sweep_<device>)")
     parser.add_argument("--no-plot", action="store_true", help="write no figures")
     args = parser.parse_args(argv)
+    models = args.models or list(REPORT_MODELS if args.preset else DEFAULT_MODELS)
+    impls = args.impls or list(REPORT_IMPLEMENTATIONS if args.preset else IMPLEMENTATIONS)
+    steps = args.steps or (30 if args.device == "cuda" else 6)
+    name = args.name or f"sweep_{args.device}"
     os.makedirs(args.output_dir, exist_ok=True)
-    results = run_sweep(args.models, IMPLEMENTATIONS, args.rounds, args.steps, args.warmup, args.batch_size, args.threads)
+    partial = os.path.join(args.output_dir, f"{name}.partial.json")
+    results = run_sweep(models, impls, args.rounds, steps, args.warmup, args.batch_size, args.threads,
+                        device=args.device, preset=args.preset, windows=args.windows if args.device == "cuda" else 1,
+                        partial_path=partial)
+    os.remove(partial)
     rows = summarize(results)
-    machine = machine_description(args.threads)
-    with open(os.path.join(args.output_dir, f"{args.name}.json"), "w") as f:
+    machine = machine_description(args.threads, args.device)
+    with open(os.path.join(args.output_dir, f"{name}.json"), "w") as f:
         json.dump(dict(machine=machine, args=vars(args), rows=rows, raw=results), f, indent=1)
     table = markdown_table(rows)
-    with open(os.path.join(args.output_dir, f"{args.name}.md"), "w") as f:
+    with open(os.path.join(args.output_dir, f"{name}.md"), "w") as f:
         f.write(f"Measured on: {machine}\n\n{table}\n")
-    for path in [] if args.no_plot else plot(rows, args.output_dir, "CPU"):
+    label = "GPU" if args.device == "cuda" else "CPU"
+    for path in [] if args.no_plot else plot(rows, args.output_dir, f"{label}{', report setting' if args.preset else ''}"):
         print(f"wrote {path}", file=sys.stderr)
     print(f"Measured on: {machine}\n\n{table}")
 

@@ -2,8 +2,11 @@
 Deterministic cost guards for the no-sync step, counted with ``torch.profiler`` (no timing): the exact mode launches
 a number of operators that does not grow with the number of parameter tensors, the in-place mode launches none,
 and neither allocates memory. Top-level operators are counted (events without an aten parent): on CPU a fused
-``_foreach_add_`` over P tensors shows as one top-level event with P ``add_`` children.
+``_foreach_add_`` over P tensors shows as one top-level event with P ``add_`` children. With CUDA the same guards also
+run on a CUDA model, where device kernels are counted too: a fused op launches one multi-tensor kernel per up to 64
+tensors (PyTorch's multi_tensor_apply chunking), upstream's loop one or more per tensor.
 """
+import math
 from typing import NamedTuple
 
 import pytest
@@ -14,72 +17,87 @@ from torch.profiler import ProfilerActivity, profile
 from hivemind_accum import GradientAverager
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+MULTI_TENSOR_CHUNK = 64  # tensors per kernel launch of a two-list foreach op (PyTorch's depth_to_max_tensors[1])
+
+
 class StepCost(NamedTuple):
     top_level_ops: int
     allocated_bytes: int
     device_to_host_copies: int
+    kernels: int = 0  # device kernels, memcpys and memsets (CUDA only)
 
 
 def no_sync_step_cost(averager, model, batch_size: int = 2) -> StepCost:
     """run two warm-up micro-steps, then profile the third micro-step's ``accumulate_grads_`` alone"""
+    device = next(model.parameters()).device
     for _ in range(3):
         if not averager.reuse_grad_buffers:
             model.zero_grad(set_to_none=True)
-        model(torch.randn(batch_size, model[0].in_features)).square().mean().backward()
+        model(torch.randn(batch_size, model[0].in_features, device=device)).square().mean().backward()
         if _ < 2:
             averager.accumulate_grads_(batch_size)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, profile_memory=True) as prof:
         averager.accumulate_grads_(batch_size)
-    events = prof.events()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # outside the guarded call: lets the profiler collect the kernels
+    events = [e for e in prof.events() if e.name != "cudaDeviceSynchronize"]
     return StepCost(
         top_level_ops=sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::")),
         allocated_bytes=sum(max(e.self_cpu_memory_usage, 0) + max(e.self_device_memory_usage, 0) for e in events),
         device_to_host_copies=sum(1 for e in events if "DtoH" in e.name or "Memcpy DtoH" in e.name),
+        kernels=sum(1 for e in events if e.device_type != torch.autograd.DeviceType.CPU),
     )
 
 
-def make_model(num_layers: int, width: int = 8) -> torch.nn.Sequential:
-    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(num_layers)])
+def make_model(num_layers: int, width: int = 8, device: str = "cpu") -> torch.nn.Sequential:
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(num_layers)]).to(device)
 
 
-def assert_cost_independent_of_tensor_count(averager_cls, dht, reuse_grad_buffers: bool) -> None:
-    """the guard: the no-sync step's operator count is the same for 8 and 128 parameter tensors, allocates nothing
-    and copies nothing to the host"""
+def assert_cost_independent_of_tensor_count(averager_cls, dht, reuse_grad_buffers: bool, device: str = "cpu") -> None:
+    """the guard: the no-sync step's operator count is the same for 8 and 128 parameter tensors (on CUDA its kernel
+    launches at most one per 64 tensors), allocates nothing and copies nothing to the host"""
     costs = {}
     for num_layers in (4, 64):
-        model = make_model(num_layers)
+        model = make_model(num_layers, device=device)
         averager = averager_cls(model.parameters(), dht=dht, prefix="guard", reuse_grad_buffers=reuse_grad_buffers,
                                 start=False)
         costs[2 * num_layers] = no_sync_step_cost(averager, model)
     small, large = costs.values()
     assert small.top_level_ops == large.top_level_ops, f"no-sync step work grows with the tensor count: {costs}"
+    for tensors, cost in costs.items():
+        assert cost.kernels <= math.ceil(tensors / MULTI_TENSOR_CHUNK), f"more kernels than foreach needs: {costs}"
     assert small.allocated_bytes == large.allocated_bytes == 0, f"no-sync step allocates memory: {costs}"
     assert small.device_to_host_copies == large.device_to_host_copies == 0, f"no-sync step copies to host: {costs}"
 
 
 @pytest.mark.forked
-def test_exact_mode_cost_is_one_fused_op(dht):
-    assert_cost_independent_of_tensor_count(GradientAverager, dht, reuse_grad_buffers=False)
-    model = make_model(64)
+@pytest.mark.parametrize("device", DEVICES)
+def test_exact_mode_cost_is_one_fused_op(dht, device):
+    assert_cost_independent_of_tensor_count(GradientAverager, dht, reuse_grad_buffers=False, device=device)
+    model = make_model(64, device=device)
     cost = no_sync_step_cost(GradientAverager(model.parameters(), dht=dht, prefix="guard", start=False), model)
-    assert cost.top_level_ops == 1  # one _foreach_add_ for the single (cpu, float32) bucket
+    assert cost.top_level_ops == 1  # one _foreach_add_ for the single (device, float32) bucket
+    assert (cost.kernels >= 1) == (device == "cuda")  # at most ceil(128 / 64) = 2 multi-tensor launches, see above
 
 
 @pytest.mark.forked
-def test_in_place_mode_does_no_tensor_work(dht):
-    assert_cost_independent_of_tensor_count(GradientAverager, dht, reuse_grad_buffers=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_in_place_mode_does_no_tensor_work(dht, device):
+    assert_cost_independent_of_tensor_count(GradientAverager, dht, reuse_grad_buffers=True, device=device)
     for num_layers in (2, 256):  # a small and a large model
-        model = make_model(num_layers, width=64)
+        model = make_model(num_layers, width=64, device=device)
         averager = GradientAverager(model.parameters(), dht=dht, prefix="guard", reuse_grad_buffers=True, start=False)
-        assert no_sync_step_cost(averager, model) == StepCost(0, 0, 0)
+        assert no_sync_step_cost(averager, model) == StepCost(0, 0, 0, 0)
 
 
 @pytest.mark.forked
-def test_guard_catches_upstream_per_parameter_loop(dht):
+@pytest.mark.parametrize("device", DEVICES)
+def test_guard_catches_upstream_per_parameter_loop(dht, device):
     """the same guard run on upstream's GradientAverager must fail: it loops over parameters in Python"""
     with pytest.raises(AssertionError, match="grows with the tensor count"):
-        assert_cost_independent_of_tensor_count(UpstreamGradientAverager, dht, reuse_grad_buffers=False)
+        assert_cost_independent_of_tensor_count(UpstreamGradientAverager, dht, reuse_grad_buffers=False, device=device)
 
 
 @pytest.mark.forked

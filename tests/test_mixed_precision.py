@@ -23,6 +23,7 @@ from tests.test_grad_scaler import BATCH, EPOCHS, LR, MICRO_STEPS, SCALE, make_m
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero")  # what .item() / bool(tensor) launch
 LOSS_SCALING_PATHS = ["host_check", "device_check"]  # GradientBuckets.add_finite_'s two paths
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def force_loss_scaling_path(path: str) -> None:
@@ -65,17 +66,18 @@ def test_low_precision_gradients_accumulate_in_fp32(dht, dtype):
 
 
 @pytest.mark.forked
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", LOSS_SCALING_PATHS)
-def test_overflowing_micro_step_is_dropped(dht, path):
+def test_overflowing_micro_step_is_dropped(dht, path, device):
     """a scripted inf/NaN in micro-step j of K: the averaged gradient equals native accumulation of the other K - 1
     (unscaled), the averaging weight counts their samples only, and .grad is left untouched; in both paths"""
     force_loss_scaling_path(path)
     torch.manual_seed(0)
-    model = MixedNet()
+    model = MixedNet().to(device)
     averager = GradientAverager(model.parameters(), dht=dht, prefix="overflow", start=False)
     scale, batch, micro_steps = 2.0**12, 3, 5
     generator = torch.Generator().manual_seed(1)
-    batches = [mixed_batch(generator, batch) for _ in range(micro_steps)]
+    batches = [[t.to(device) for t in mixed_batch(generator, batch)] for _ in range(micro_steps)]
     native = [torch.zeros_like(p) for p in model.parameters()]
     found = []
     for j, (images, tokens, targets) in enumerate(batches):
@@ -99,7 +101,7 @@ def test_overflowing_micro_step_is_dropped(dht, path):
     assert (averager.local_times_accumulated, averager.local_samples_accumulated) == (3, 3 * batch)
     with averager.get_tensors() as averaged:
         for avg, exp in zip(averaged, native, strict=True):
-            torch.testing.assert_close(avg, exp / 3)
+            torch.testing.assert_close(avg, exp.cpu() / 3)
     averager.reset_accumulated_grads_()
     assert averager._dropped_micro_steps.item() == 0
 

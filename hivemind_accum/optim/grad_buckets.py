@@ -26,8 +26,9 @@ class GradientBucket:
     :param source_dtype: the dtype of the tensors this bucket mirrors (``flat`` may be float32 for fp16/bf16 ones)
     :param staging: a same-layout buffer of ``flat``'s device and dtype, allocated on first use when gradients must
       be copied (and cast) before they are added: across devices (``accumulate_grads_on``), across dtypes (float32
-      buffers for fp16/bf16 gradients: unscaling then happens in float32) or to be checked for inf/NaN
-      (:meth:`GradientBuckets.add_finite_`)
+      buffers for fp16/bf16 gradients: unscaling then happens in float32) or to be checked for inf/NaN on a CPU
+      without a host read (:meth:`GradientBuckets.add_finite_` forced to its device path; on an accelerator that path
+      stages into a buffer that is not kept, see :meth:`stage_`)
     """
 
     flat: torch.Tensor
@@ -37,21 +38,24 @@ class GradientBucket:
     source_dtype: torch.dtype
     staging: Optional["GradientBucket"] = field(default=None, repr=False)
 
-    def stage_(self, sources: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-        """copy ``sources`` (one per view, None = zeros) into the staging buffer with one fused copy, cast to the
-        buffer's dtype; return the staging buffer flat"""
-        if self.staging is None:
-            self.staging = _make_bucket(self.views, self.indices, self.flat.device, self.flat.dtype)
+    def stage_(self, sources: Sequence[Optional[torch.Tensor]], keep: bool = True) -> torch.Tensor:
+        """copy ``sources`` (one per view, None = zeros) into a staging buffer with one fused copy, cast to the
+        buffer's dtype; return the staging buffer flat. ``keep=False`` stages into a buffer that lives only until the
+        caller drops it: on an accelerator its caching allocator hands the same memory to the next forward pass's
+        activations, so the staging copy does not raise peak device memory (no device allocation call either)"""
+        staging = self.staging or _make_bucket(self.views, self.indices, self.flat.device, self.flat.dtype)
+        if keep:
+            self.staging = staging
         present = [k for k, grad in enumerate(sources) if grad is not None]
-        absent = [self.staging.views[k] for k, grad in enumerate(sources) if grad is None]
+        absent = [staging.views[k] for k, grad in enumerate(sources) if grad is None]
         if absent:
             torch._foreach_zero_(absent)
         if present:
             torch._foreach_copy_(
-                [self.staging.views[k] for k in present],
+                [staging.views[k] for k in present],
                 [sources[k].to_dense() if sources[k].is_sparse else sources[k] for k in present],
             )
-        return self.staging.flat
+        return staging.flat
 
 
 def _dense_strides(tensor: torch.Tensor) -> Tuple[int, ...]:
@@ -261,7 +265,8 @@ def _add_finite_on_device(
     staged = []
     for bucket in buckets.buckets:
         device = bucket.flat.device
-        flat = bucket.stage_([sources[i] for i in bucket.indices])
+        # kept only on the CPU (where a fresh buffer costs page faults); on an accelerator it shares cached memory
+        flat = bucket.stage_([sources[i] for i in bucket.indices], keep=device.type == "cpu")
         bucket_inf = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
         bucket_inv_scale = _to_device(inv_scale, device)
         torch._amp_foreach_non_finite_check_and_unscale_([flat], bucket_inf, bucket_inv_scale)
