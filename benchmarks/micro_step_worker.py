@@ -100,10 +100,12 @@ def run(
             delay_optimizer_step=True, delay_state_averaging=True, matchmaking_time=5.0, verbose=False,
         )
     scaler = None
-    if precision == "fp16":
+    if precision == "fp16" and impl in IN_PLACE_LOOPS:
         import hivemind
 
-        scaler = hivemind.GradScaler(device) if impl in IN_PLACE_LOOPS else torch.amp.GradScaler(device)
+        scaler = hivemind.GradScaler(device)
+    elif precision == "fp16":
+        scaler = torch.amp.GradScaler(device)
     autocast_dtype = PRECISIONS[precision]
 
     def micro_step(timings: Optional[list] = None, during_step=None):
