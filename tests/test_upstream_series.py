@@ -173,7 +173,14 @@ from pkg import thing as upstream
 from pkg.base import Base as Root
 
 
-class Thing(upstream.Thing, Root):
+class _Helper(Root):
+    """a new base between upstream's class and its base"""
+
+    def describe(self):
+        return "helper"
+
+
+class Thing(upstream.Thing, _Helper):
     """
     Ours.
 
@@ -195,6 +202,8 @@ class Thing(upstream.Thing, Root):
     def perimeter(self):
         return 4 * self.size
 
+    perimeter.upstream_area = upstream.Thing.area
+
     def name(self):
         return "ours"
 '''
@@ -203,7 +212,8 @@ class Thing(upstream.Thing, Root):
 def test_merge_rules_on_a_small_module():
     merged = merge_module(UPSTREAM_MODULE, OUR_MODULE, "pkg.thing", carried=[])
     assert merged.count("import operator\n") == 1 and "Root" not in merged and "import thing" not in merged
-    assert "class Thing(Base):" in merged and "cached: bool = True" in merged
+    assert merged.index("class _Helper(Base):") < merged.index("class Thing(_Helper):")
+    assert "cached: bool = True" in merged and "perimeter.upstream_area = _base_area" in merged
     assert ":param size: the size, a positive int" in merged and ":param scale: a new argument" in merged
     assert merged.index(":param scale:") < merged.index(":param kwargs:") < merged.index(":raises ValueError:")
     # __init__ inlined after upstream's body and its trailing comment; area wraps upstream's, kept as _base_area
@@ -219,11 +229,12 @@ def test_merge_rules_on_a_small_module():
         del sys.modules["pkg"], sys.modules["pkg.base"]
     thing = namespace["Thing"](3)
     assert (thing.extra, thing.area(), thing.perimeter(), thing.name()) == (-3, 18, 12, "ours")
+    assert thing.describe() == "helper" and thing.perimeter.upstream_area is namespace["Thing"]._base_area
 
 
 def test_merge_refuses_what_it_cannot_carry():
     with pytest.raises(MergeError, match="adds base Other"):
-        merge_module(UPSTREAM_MODULE, OUR_MODULE.replace("upstream.Thing, Root", "upstream.Thing, Other"), "pkg.thing", [])
+        merge_module(UPSTREAM_MODULE, OUR_MODULE.replace("upstream.Thing, _Helper", "upstream.Thing, Other"), "pkg.thing", [])
     with pytest.raises(MergeError, match="hivemind_accum.patch, which does not go upstream"):
         merge_module(UPSTREAM_MODULE, "from hivemind_accum.patch import patch_hivemind\n" + OUR_MODULE, "pkg.thing", [])
     with pytest.raises(MergeError, match="binds Base to"):

@@ -10,8 +10,12 @@ name (``class GradientAverager(upstream.GradientAverager)``):
   (``_base_step``) next to ours, and the call becomes ``self._base_step(...)``; a method of ours whose signature is
   ``(self, *args, **kwargs)`` and that only adds statements around ``super().name(*args, **kwargs)`` is inlined
   instead: upstream's method (signature, docstring, body) with our statements before and after its body;
-- class attributes are added or replaced; the class keeps upstream's bases and docstring, in which each ``:param``
+- class attributes are added or replaced; ``upstream.Class.method`` in the class body becomes the method's merged
+  name (``_base_method`` where ours wraps it); the class keeps upstream's docstring, in which each ``:param``
   (``:raises``...) entry our docstring documents replaces upstream's or is added after its predecessor;
+- the class keeps upstream's bases, except that a base of ours defined in this module (a new class between
+  upstream's class and its bases in the method resolution order) takes the place of the upstream bases it derives
+  from; new module-level classes and functions keep our order relative to the merged ones;
 - imports of the upstream module itself disappear (``upstream.X`` becomes ``X``), imports of ``hivemind_accum.optim.M``
   become ``hivemind.optim.M``, a name upstream already imports under another name is renamed to upstream's name, and
   new imports are placed in upstream's import sections;
@@ -217,10 +221,13 @@ def _private_name(method: str) -> str:
     return BASE_PREFIX + method.strip("_")
 
 
+def _targets(node: ast.stmt) -> List[ast.expr]:
+    return node.targets if isinstance(node, ast.Assign) else [node.target]
+
+
 def _assigned_names(node: ast.stmt) -> List[str]:
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
     names = []
-    for target in targets:
+    for target in _targets(node):
         if not isinstance(target, ast.Name):
             raise MergeError(f"line {node.lineno}: only assignments to plain names can be merged")
         names.append(target.id)
@@ -244,17 +251,19 @@ class _ModuleMerger:
             name: n for n in self.up.tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) for name in _assigned_names(n)
         }
         preamble_end = self._preamble_end()
-        for node in self.ours.tree.body:
+        self.new_classes = {n.name: n for n in self.ours.tree.body if isinstance(n, ast.ClassDef) and n.name not in up_top}
+        body = self.ours.tree.body
+        for i, node in enumerate(body):
             if isinstance(node, (ast.Import, ast.ImportFrom)) or node is _docstring_node(self.ours.tree):
                 continue
             if isinstance(node, ast.ClassDef):
-                upstream_class = self._upstream_base(node, up_top)
-                if upstream_class is not None:
-                    _ClassMerger(self, upstream_class, node).merge()
+                upstream_base = self._upstream_base(node, up_top)
+                if upstream_base is not None:
+                    _ClassMerger(self, *upstream_base, node).merge()
                 else:
-                    self._add_or_replace(node, up_top.get(node.name))
+                    self._add_or_replace(node, up_top.get(node.name), self._next_counterpart(body[i + 1 :], up_top))
             elif isinstance(node, _FUNCTIONS):
-                self._add_or_replace(node, up_top.get(node.name))
+                self._add_or_replace(node, up_top.get(node.name), self._next_counterpart(body[i + 1 :], up_top))
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 names = _assigned_names(node)
                 existing = [up_assigns[name] for name in names if name in up_assigns]
@@ -273,13 +282,17 @@ class _ModuleMerger:
         return self._apply()
 
     def code(self, node: ast.AST, extra: Sequence[Tuple[ast.AST, str]] = (), span=None) -> str:
-        """our statement's text with upstream-module references and renamed imports rewritten"""
+        """our statement's text with upstream-module references and renamed imports rewritten (``extra``
+        replacements win over those inside them)"""
         start, end = span if span is not None else self.ours.span(node)
-        return _rename_package(self.ours.render(start, end, [*self._rewrites(node), *extra]))
+        inside = {id(sub) for outer, _ in extra for sub in ast.walk(outer) if sub is not outer}
+        return _rename_package(self.ours.render(start, end, [*self._rewrites(node, inside), *extra]))
 
-    def _rewrites(self, node: ast.AST) -> List[Tuple[ast.AST, str]]:
+    def _rewrites(self, node: ast.AST, skip: Set[int] = frozenset()) -> List[Tuple[ast.AST, str]]:
         rewrites = []
         for sub in ast.walk(node):
+            if id(sub) in skip:
+                continue
             if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id in self.self_aliases:
                 rewrites.append((sub, sub.attr))  # upstream.GradientAverager -> GradientAverager
             elif isinstance(sub, ast.Name) and sub.id in self.name_map:
@@ -288,14 +301,28 @@ class _ModuleMerger:
                 raise MergeError(f"{self.ours.name}:{sub.lineno}: the upstream module itself is used as a value")
         return rewrites
 
-    def _add_or_replace(self, node: ast.stmt, existing: Optional[ast.stmt]) -> None:
+    def _add_or_replace(self, node: ast.stmt, existing: Optional[ast.stmt], before: Optional[ast.stmt]) -> None:
+        """replace upstream's statement of the same name, or add ours before ``before`` (else at the end)"""
         if existing is not None:
             self.add(*self.up.span(existing), self.code(node))
+        elif before is not None:
+            start = self.up.span(before)[0]
+            self.add(start, start, self.code(node) + "\n\n")
         else:
             self.add(len(self.up.lines), len(self.up.lines), "\n\n" + self.code(node))
 
-    def _upstream_base(self, node: ast.ClassDef, up_top: Dict[str, ast.AST]) -> Optional[ast.ClassDef]:
-        """upstream's class that ours subclasses (``upstream.X``), checking that ours adds no other base"""
+    def _next_counterpart(self, following: Sequence[ast.stmt], up_top: Dict[str, ast.AST]) -> Optional[ast.stmt]:
+        """upstream's class or function matching the first of ``following`` that upstream has (keeps our order, so a
+        new base class lands before the class it is a base of)"""
+        for node in following:
+            if isinstance(node, (ast.ClassDef, *_FUNCTIONS)) and node.name in up_top:
+                return up_top[node.name]
+        return None
+
+    def _upstream_base(self, node: ast.ClassDef, up_top: Dict[str, ast.AST]):
+        """upstream's class that ours subclasses (``upstream.X``) and the merged class's bases: ours besides upstream's
+        class, each either one of upstream's bases or a new class of this module (which then stands in for the
+        upstream bases it derives from, keeping the method resolution order), then upstream's remaining bases"""
         upstream_bases = [
             b.attr for b in node.bases
             if isinstance(b, ast.Attribute) and isinstance(b.value, ast.Name) and b.value.id in self.self_aliases
@@ -307,19 +334,25 @@ class _ModuleMerger:
                 f"{self.ours.name}:{node.lineno}: class {node.name} must subclass upstream's class of the same name"
             )
         upstream_class = up_top[node.name]
-        upstream_base_names = {ast.unparse(b) for b in upstream_class.bases}
+        upstream_base_names = [ast.unparse(b) for b in upstream_class.bases]
+        added, covered = [], set()
         for base in node.bases:
             if isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id in self.self_aliases:
                 continue
             name = self.name_map.get(ast.unparse(base), ast.unparse(base))
-            if name not in upstream_base_names:
+            if name in self.new_classes:
+                added.append(name)
+                covered |= {self.name_map.get(ast.unparse(b), ast.unparse(b)) for b in self.new_classes[name].bases}
+            elif name not in upstream_base_names:
                 raise MergeError(
                     f"{self.ours.name}:{node.lineno}: class {node.name} adds base {name}, which upstream's class does "
-                    f"not have ({', '.join(sorted(upstream_base_names))}); change the bases upstream by hand"
+                    f"not have ({', '.join(upstream_base_names)}) and this module does not define; change the bases "
+                    f"upstream by hand"
                 )
         if node.keywords or node.decorator_list:
             raise MergeError(f"{self.ours.name}:{node.lineno}: class keywords or decorators cannot be merged")
-        return upstream_class
+        bases = added + [name for name in upstream_base_names if name not in covered and name not in added]
+        return upstream_class, (bases if added else None)
 
     def _merge_imports(self) -> None:
         up_imports = [(node, _imports(node)) for node in self.up.tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
@@ -404,8 +437,8 @@ class _ModuleMerger:
 
 
 class _ClassMerger:
-    def __init__(self, merger: _ModuleMerger, up_class: ast.ClassDef, our_class: ast.ClassDef):
-        self.m, self.up_class, self.our_class = merger, up_class, our_class
+    def __init__(self, merger: _ModuleMerger, up_class: ast.ClassDef, bases: Optional[List[str]], our_class: ast.ClassDef):
+        self.m, self.up_class, self.our_class, self.bases = merger, up_class, our_class, bases
         for cls in up_class, our_class:
             if cls.col_offset != 0:
                 raise MergeError(f"class {cls.name}: only module-level classes can be merged")
@@ -420,6 +453,13 @@ class _ClassMerger:
                 raise MergeError(f"class {up_class.name}: {private} (upstream's implementation) is already a method")
 
     def merge(self) -> None:
+        if self.bases is not None:  # class Name(<bases>): on one line, as black writes a short header
+            if not self.up_class.bases or self.up_class.bases[-1].end_lineno != self.up_class.lineno:
+                raise MergeError(f"class {self.up_class.name}: upstream's class header must fit on one line")
+            line = self.m.up.lines[self.up_class.lineno - 1].encode()
+            first, last = self.up_class.bases[0], self.up_class.bases[-1]
+            header = line[: first.col_offset] + ", ".join(self.bases).encode() + line[last.end_col_offset :]
+            self.m.add(self.up_class.lineno - 1, self.up_class.lineno, header.decode())
         up_docstring = _docstring_node(self.up_class)
         anchor = up_docstring.end_lineno if up_docstring else self.m.up.span(self.up_class.body[0])[0]
         previous_was_attribute = False
@@ -429,14 +469,31 @@ class _ClassMerger:
             elif isinstance(node, _FUNCTIONS):
                 anchor = self._merge_method(node, anchor)
                 previous_was_attribute = False
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and all(isinstance(t, ast.Name) for t in _targets(node)):
                 anchor = self._merge_attribute(node, anchor, blank_line=not previous_was_attribute)
+                previous_was_attribute = True
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):  # e.g. __init__.__signature__ = ...
+                self.m.add(anchor, anchor, self.m.code(node, self._class_references(node, in_body=True)))
                 previous_was_attribute = True
             elif not isinstance(node, ast.Pass):
                 raise MergeError(f"{self.m.ours.name}:{node.lineno}: a {type(node).__name__} in class {self.our_class.name}")
 
+    def _class_references(self, node: ast.AST, in_body: bool) -> List[Tuple[ast.AST, str]]:
+        """``upstream.Class.method`` of the merged class: the method as now named (``_base_x`` where ours wraps it),
+        a bare name in the class body, ``Class.name`` in a method"""
+        references = []
+        for sub in ast.walk(node):
+            if (
+                isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Attribute)
+                and isinstance(sub.value.value, ast.Name) and sub.value.value.id in self.m.self_aliases
+                and sub.value.attr == self.up_class.name
+            ):
+                name = self.renamed.get(sub.attr, sub.attr)
+                references.append((sub, name if in_body else f"{self.up_class.name}.{name}"))
+        return references
+
     def _method_code(self, node: ast.AST, span=None) -> str:
-        extra = []
+        extra = self._class_references(node, in_body=False)
         for sub in _own_nodes(node):
             name = _super_call_name(sub)
             if name in self.renamed:
