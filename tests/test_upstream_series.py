@@ -13,13 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hivemind_accum.upstream import GenerationError, generate, installed_hivemind
+from hivemind_accum.upstream import GenerationError, carried_modules, generate, installed_hivemind
 from hivemind_accum.upstream.merge import MergeError, merge_module
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = Path(__file__).resolve().parent / "upstream_checks.py"
-NEW_MODULES = {"optim/grad_buckets.py"}  # relative to the package directory
-CHANGED_MODULES = {f"optim/{name}.py" for name in ("grad_averager", "optimizer", "power_sgd_averager")}
+# every module of hivemind_accum/optim goes upstream: added where upstream has none, merged where it has one
+CARRIED = {f"optim/{name}.py" for name in carried_modules()}  # relative to the package directory
+NEW_MODULES = {path for path in CARRIED if not (installed_hivemind() / path).exists()}
+CHANGED_MODULES = CARRIED - NEW_MODULES
 
 
 def _files(root: Path) -> set:
@@ -80,7 +82,8 @@ def test_generated_tree_is_the_installed_package_with_the_series(series):
 def test_series_applies_to_a_pristine_copy(series, tmp_path):
     shutil.copytree(installed_hivemind(), tmp_path / "hivemind", ignore=shutil.ignore_patterns("__pycache__"))
     patches = sorted((series / "patches").glob("*.patch"))
-    assert [p.name[:5] for p in patches] == ["0001-", "0002-", "0003-", "0004-"]
+    assert {"optim/grad_buckets.py", "optim/grad_averager.py", "optim/optimizer.py"} <= CARRIED
+    assert [p.name[:5] for p in patches] == [f"{n:04d}-" for n in range(1, len(CARRIED) + 1)]
     for patch in patches:  # one upstream module each, so each applies to the pristine tree on its own
         check = subprocess.run(["patch", "-p1", "--dry-run", "-i", str(patch)], cwd=tmp_path, capture_output=True, text=True)
         assert check.returncode == 0 and "FAILED" not in check.stdout and "fuzz" not in check.stdout, check.stdout
@@ -91,7 +94,7 @@ def test_series_applies_to_a_pristine_copy(series, tmp_path):
         assert filecmp.cmp(tmp_path / "hivemind" / path, series / "hivemind" / path, shallow=False), path
     # each commit message carries UPSTREAM.md's words for its module
     grad_averager_patch = next(p for p in patches if "grad-averager" in p.name).read_text()
-    assert "Subject: [PATCH 2/4] Change hivemind/optim/grad_averager.py" in grad_averager_patch
+    assert f"/{len(CARRIED)}] Change hivemind/optim/grad_averager.py\n" in grad_averager_patch
     assert "accumulate_in_fp32" in grad_averager_patch.split("\n---\n")[0]
 
 
