@@ -1,0 +1,157 @@
+"""
+Behaviour checks run against a hivemind package in a subprocess by tests/test_upstream_series.py: once with the
+generated (patched) hivemind first on PYTHONPATH, once with the installed upstream hivemind. Only plain hivemind classes
+are used (``hivemind.Optimizer``, ``hivemind.optim.grad_averager.GradientAverager``), never this project's package.
+
+Usage: ``python tests/upstream_checks.py RESULTS_FILE``; writes a dict of tensors and counts with ``torch.save``.
+"""
+import os
+import sys
+import traceback
+
+import hivemind
+import torch
+from hivemind.optim.grad_averager import GradientAverager
+from torch.profiler import ProfilerActivity, profile
+
+BATCH_SIZES = (3, 5, 2, 4)  # several micro-steps of different sizes (exact mode weighs them by batch size)
+# a single peer whose progress tracker never re-fetches the swarm's progress during the check (see tests/conftest.py)
+SINGLE_PEER_TRACKER = dict(min_refresh_period=60, max_refresh_period=120, default_refresh_period=60)
+
+
+class Net(torch.nn.Module):
+    """a random model with float32 and float64 parameters: two accumulator buckets on CPU"""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        self.head = torch.nn.Linear(4, 2).double()
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(inputs).double())
+
+
+def backward(model: Net, step: int, batch_size: int) -> None:
+    generator = torch.Generator().manual_seed(100 + step)
+    inputs, targets = torch.randn(batch_size, 6, generator=generator), torch.randn(batch_size, 2, generator=generator)
+    (model(inputs).float() - targets).square().mean().backward()
+
+
+def exact_mode(dht) -> dict:
+    """the averaged gradients after several micro-steps (loaded as hivemind.Optimizer loads them for a round)"""
+    model = Net()
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="exact", start=False)
+    for step, batch_size in enumerate(BATCH_SIZES):
+        model.zero_grad(set_to_none=True)
+        backward(model, step, batch_size)
+        averager.accumulate_grads_(batch_size)
+    averager.load_accumulators_into_averager_()
+    with averager.get_tensors() as averaged:
+        return dict(exact=[tensor.clone() for tensor in averaged], exact_samples=averager.local_samples_accumulated)
+
+
+def in_place_mode(dht) -> dict:
+    """reuse_grad_buffers=True with a loop that sets .grad to None every micro-step, and native accumulation"""
+    model, native = Net(), Net()
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="in_place", reuse_grad_buffers=True, start=False)
+    for step in range(len(BATCH_SIZES)):
+        backward(model, step, 4)
+        averager.accumulate_grads_(4)
+        for param in model.parameters():
+            param.grad = None  # a framework that zeroes gradients after every optimizer call
+        backward(native, step, 4)  # native PyTorch accumulation into .grad
+    averager.load_accumulators_into_averager_()
+    with averager.get_tensors() as averaged:
+        return dict(
+            in_place=[tensor.clone() for tensor in averaged],
+            native=[param.grad / len(BATCH_SIZES) for param in native.parameters()],
+        )
+
+
+def top_level_ops(function) -> list:
+    """names of the operators ``function()`` runs that no other operator called, as the profiler records them"""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        function()
+    return [e.name for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+
+
+def no_sync_accumulation(dht) -> dict:
+    """top-level operators of the exact mode's third micro-step on the two-bucket model"""
+    model = Net()
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="buckets", start=False)
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        backward(model, step, 2)
+        if step < 2:
+            averager.accumulate_grads_(2)
+    return dict(accumulate_ops=top_level_ops(lambda: averager.accumulate_grads_(2)))
+
+
+def no_sync_step(dht) -> dict:
+    """top-level operators of a plain hivemind.Optimizer's third no-sync step (exact mode, float32 model: one
+    bucket; upstream's optimizer offloads parameters in float32, so the two-dtype model does not fit it)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    opt = hivemind.Optimizer(
+        dht=dht, run_id="no_sync", params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        target_batch_size=10**9, batch_size_per_step=2, tracker_opts=SINGLE_PEER_TRACKER,
+    )
+    try:
+        for step in range(3):
+            opt.zero_grad()
+            generator = torch.Generator().manual_seed(step)
+            model(torch.randn(2, 6, generator=generator)).square().mean().backward()
+            if step < 2:
+                opt.step()
+        return dict(no_sync_ops=top_level_ops(opt.step), no_sync_epoch=opt.local_epoch)
+    finally:
+        opt.shutdown()
+
+
+def failed_round(dht) -> dict:
+    """what hivemind.Optimizer would step with after a round that began and then failed: alone in the swarm, with a
+    target group of two, the round's matchmaking always fails"""
+    model = Net()
+    averager = GradientAverager(
+        model.parameters(), dht=dht, prefix="lonely", target_group_size=2, min_matchmaking_time=0.5,
+        request_timeout=0.2, start=True,
+    )
+    try:
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            backward(model, step, 2)
+            averager.accumulate_grads_(2)
+        expected = [acc.clone() / 2 for acc in averager._grad_accumulators()]  # the round's local gradients
+        control = averager.step(wait=False, timeout=2.0)
+        try:
+            control.result(timeout=30)
+            failed = False
+        except Exception:
+            failed = True
+        averager.load_accumulators_into_averager_()  # hivemind.Optimizer's "Proceeding with local gradients"
+        with averager.get_tensors() as averaged:
+            return dict(round_failed=failed, fallback=[t.clone() for t in averaged], local=expected)
+    finally:
+        averager.shutdown()
+
+
+def main(path: str) -> None:
+    dht = hivemind.DHT(start=True)
+    try:
+        results = dict(hivemind_file=hivemind.__file__)
+        for check in exact_mode, in_place_mode, no_sync_accumulation, no_sync_step, failed_round:
+            results.update(check(dht))
+        results["imported_hivemind_accum"] = any(name.startswith("hivemind_accum") for name in sys.modules)
+        torch.save(results, path)
+    finally:
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1])
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)  # a background thread of a half-built optimizer must not keep the process alive
+    os._exit(0)
