@@ -1,10 +1,18 @@
 """Bad input gets a clear error naming the parameter; unusual but valid input gets the correct result."""
 import copy
+import gc
+import inspect
+import pydoc
+import sys
+import threading
+import warnings
 
+import hivemind
 import pytest
 import torch
 from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAverager
 
+import hivemind_accum
 from hivemind_accum import GradientAverager
 
 
@@ -132,3 +140,100 @@ def test_averaging_after_shutdown_is_a_clear_error_local_accumulation_still_work
     with averager.get_tensors() as (weight, bias):
         torch.testing.assert_close(weight, torch.ones(2, 3))
         torch.testing.assert_close(bias, torch.ones(2))
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True], ids=["exact", "in_place"])
+def test_averager_rejects_a_tensor_listed_twice(dht, reuse_grad_buffers):
+    """in place, GradientAverager([w, w]) would give both positions one .grad view and accumulate it twice (3.33 and
+    2.0 instead of 1 and 1 after three micro-steps of gradient 1); both modes refuse it and leave the model untouched"""
+    w, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    for params, first, second in ([w, w], 0, 1), ([w, b, w], 0, 2), ([b, w, b], 0, 2):
+        with pytest.raises(ValueError, match=rf"parameters\[{first}\] and parameters\[{second}\] are the same tensor"):
+            GradientAverager(params, dht=dht, prefix="e", reuse_grad_buffers=reuse_grad_buffers, start=False)
+    assert w.grad is None and b.grad is None
+    averager = GradientAverager([w, b], dht=dht, prefix="e", reuse_grad_buffers=reuse_grad_buffers, start=False)
+    assert len(averager.parameters) == 2  # distinct tensors of equal values are fine
+
+
+def progress_trackers():
+    """upstream's progress tracker threads: hivemind.Optimizer starts one first thing"""
+    return [thread for thread in threading.enumerate() if thread.name.startswith("ProgressTracker")]
+
+
+DUPLICATES = dict(
+    flat=(lambda w, b: dict(params=iter([w, b, w])), r"params\[0\] and params\[2\]"),
+    groups=(
+        lambda w, b: dict(params=[{"params": [w]}, {"params": [b, w], "lr": 0.5}]),
+        r'params\[0\]\["params"\]\[0\] and params\[1\]\["params"\]\[1\]',
+    ),
+    torch_optimizer=(  # within one group torch only warns
+        lambda w, b: dict(optimizer=torch.optim.SGD([w, b, w], lr=0.1), offload_optimizer=False),
+        r'optimizer.param_groups\[0\]\["params"\]\[0\] and optimizer.param_groups\[0\]\["params"\]\[2\]',
+    ),
+)
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("case", DUPLICATES)
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True], ids=["exact", "in_place"])
+def test_optimizer_rejects_a_parameter_listed_twice(dht, case, reuse_grad_buffers):
+    """ours names both positions before anything starts; upstream raises `AssertionError: Found duplicate parameters in
+    param_groups` after its progress tracker has started. (A torch optimizer built with a parameter in two groups never
+    gets here: torch.optim raises its own error; within one group it only warns.)"""
+    w, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    make_kwargs, positions = DUPLICATES[case]
+
+    def kwargs():  # fresh one-pass iterators for every constructor
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch: "optimizer contains a parameter group with duplicate"
+            return {"optimizer": lambda params: torch.optim.SGD(params, lr=0.1), **make_kwargs(w, b)}
+
+    with pytest.raises(ValueError, match=positions + " are the same tensor: pass each parameter once"):
+        hivemind_accum.Optimizer(
+            dht=dht, run_id="dup", target_batch_size=4, batch_size_per_step=1, reuse_grad_buffers=reuse_grad_buffers,
+            **kwargs(),
+        )
+    assert not progress_trackers() and w.grad is None
+    with pytest.raises(AssertionError, match="Found duplicate parameters"):  # upstream, as said above
+        hivemind.Optimizer(dht=dht, run_id="dup_upstream", target_batch_size=4, batch_size_per_step=1, **kwargs())
+    assert progress_trackers()  # upstream's tracker thread was left running
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        torch.optim.SGD([{"params": [w]}, {"params": [b, w]}], lr=0.1)
+
+
+def test_optimizer_lists_upstreams_arguments():
+    signature = inspect.signature(hivemind_accum.Optimizer)
+    assert signature == inspect.signature(hivemind.Optimizer)
+    assert list(signature.parameters)[:4] == ["dht", "run_id", "target_batch_size", "batch_size_per_step"]
+    assert len(signature.parameters) > 30
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in signature.parameters.values())
+    assert "target_batch_size: 'int'" in pydoc.render_doc(hivemind_accum.Optimizer, renderer=pydoc.plaintext)
+
+
+@pytest.mark.forked
+def test_optimizer_rejects_positional_arguments_without_a_second_error(dht, monkeypatch):
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    model = torch.nn.Linear(3, 2)
+    kwargs = dict(dht=dht, run_id="pos", target_batch_size=4, optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(TypeError, match="takes 1 positional argument"):
+        hivemind.Optimizer(model.parameters(), **kwargs)
+    gc.collect()
+    assert [type(u.exc_value) for u in unraisable] == [AttributeError]  # upstream: "... no attribute '_parent_pid'"
+    unraisable.clear()
+    with pytest.raises(TypeError, match=r"Optimizer takes keyword arguments only, as hivemind.Optimizer does \(got 1"):
+        hivemind_accum.Optimizer(model.parameters(), **kwargs)
+    gc.collect()
+    assert unraisable == []
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("batch_size_per_step", [0, -4, 2.5, True, "4"])
+def test_optimizer_rejects_invalid_batch_size_per_step_at_construction(dht, batch_size_per_step):
+    with pytest.raises(ValueError, match=r"batch_size_per_step: expected a positive int \(samples per micro-step\) or"):
+        hivemind_accum.Optimizer(
+            dht=dht, run_id="bs", target_batch_size=4, batch_size_per_step=batch_size_per_step,
+            params=torch.nn.Linear(3, 2).parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        )
+    assert not progress_trackers()  # raised before upstream's __init__ started anything

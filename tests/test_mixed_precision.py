@@ -212,8 +212,11 @@ def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivem
         target_batch_size=MICRO_STEPS * BATCH, batch_size_per_step=BATCH, reuse_grad_buffers=reuse_grad_buffers,
         matchmaking_time=0.5, averaging_timeout=5, tracker_opts=SINGLE_PEER_TRACKER,
     )
-    scaler_cls = hivemind.GradScaler if scaler_kind == "hivemind" else torch.amp.GradScaler
-    scaler = scaler_cls("cpu", init_scale=SCALE, enabled=scaler_kind != "torch_disabled")
+    if scaler_kind == "hivemind_no_device":  # targets CUDA: disables itself on a machine without it
+        scaler = hivemind.GradScaler() if not torch.cuda.is_available() else hivemind.GradScaler(enabled=False)
+    else:
+        scaler_cls = hivemind.GradScaler if scaler_kind == "hivemind" else torch.amp.GradScaler
+        scaler = scaler_cls("cpu", init_scale=SCALE, enabled=scaler_kind != "torch_disabled")
     loaded = {}  # epoch -> (samples, micro-steps) when the accumulators are loaded into the averager
     load = opt.grad_averager.load_accumulators_into_averager_
 
@@ -234,10 +237,11 @@ def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivem
                     opt.step(grad_scaler=scaler)
                 else:
                     scaler.step(opt)
-                if scaler_kind != "hivemind":
+                if scaler_kind in ("torch", "torch_disabled"):
                     scaler.update()
             if scaler_kind == "hivemind":
                 scaler.update()  # hivemind.GradScaler.update reads the overflow flag on the host (upstream code)
+            # (hivemind_no_device: update() of a disabled hivemind.GradScaler raises, see the test)
             if in_epoch + 1 < MICRO_STEPS:  # cannot be the end of an epoch: a no-sync step
                 sync_ops.append(sum(1 for e in prof.events() if e.name in SYNC_OPS))
             in_epoch = 0 if opt.local_epoch != epoch else in_epoch + 1
@@ -290,8 +294,21 @@ def test_exact_mode_drops_only_the_overflowing_micro_steps(overflow):
 
 
 @pytest.mark.forked
-def test_disabled_grad_scaler_counts_as_none():
-    epoch, params, *_ = train("torch_disabled", reuse_grad_buffers=False)
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True], ids=["exact", "in_place"])
+@pytest.mark.parametrize("scaler_kind", ["torch_disabled", "hivemind_no_device"])
+def test_disabled_grad_scaler_counts_as_none(scaler_kind, reuse_grad_buffers):
+    """a disabled scaler (enabled=False, or hivemind.GradScaler() without a device on a machine without CUDA) trains
+    exactly as no scaler, in both modes, whether passed to opt.step(grad_scaler=) or used as scaler.step(opt)"""
+    if scaler_kind == "hivemind_no_device":
+        if torch.cuda.is_available():
+            assert hivemind.GradScaler().is_enabled()
+        else:
+            with pytest.warns(UserWarning, match="CUDA is not available.  Disabling"):
+                scaler = hivemind.GradScaler()
+            assert not scaler.is_enabled()
+            with pytest.raises(AttributeError, match="_per_optimizer_states"):  # upstream 1.1.12, see UPSTREAM.md
+                scaler.update()
+    epoch, params, *_ = train(scaler_kind, reuse_grad_buffers=reuse_grad_buffers)
     expected, _ = native_reference(drop="micro_step")
     assert epoch == EPOCHS
     for ours, ref in zip(params, expected, strict=True):

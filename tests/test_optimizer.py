@@ -1,5 +1,6 @@
 """hivemind_accum.Optimizer against upstream hivemind.Optimizer as the oracle."""
 import multiprocessing as mp
+import time
 
 import hivemind
 import pytest
@@ -112,3 +113,83 @@ def test_patch_hivemind_switches_plain_hivemind_optimizer():
     hivemind_accum.unpatch_hivemind()
     assert not hivemind_accum.is_patched() and hivemind.optim.optimizer.GradientAverager is upstream_default
     assert hivemind.Optimizer.zero_grad is not hivemind_accum.Optimizer.zero_grad
+
+
+def _train_full_or_client_peer(client: bool, initial_peers, queue, done):
+    """a linear loss (constant gradient `direction`) and SGD at lr 1 without momentum or parameter averaging: whatever
+    the rounds do (average identical gradients, fall back to local ones, download the other peer's state), a peer at
+    epoch e has weight init - e * direction"""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    direction = torch.randn(2, 3, generator=torch.Generator().manual_seed(1))
+    initial = model.weight.detach().clone()
+    dht = hivemind.DHT(start=True, client_mode=client, initial_peers=initial_peers)
+    if not client:
+        queue.put(dht.get_visible_maddrs())
+    opt = hivemind_accum.Optimizer(  # no client_mode=: taken from the DHT
+        dht=dht, run_id="client_mode", params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
+        target_batch_size=16, batch_size_per_step=4, matchmaking_time=1.0, averaging_timeout=5.0,
+        average_state_every=10**6, tracker_opts=dict(max_refresh_period=2.0),
+    )
+    try:
+        modes = (opt.client_mode, opt.grad_averager.client_mode, opt.state_averager.client_mode, opt.tracker.client_mode)
+
+        def micro_step():
+            opt.zero_grad()
+            (model.weight * direction).sum().backward()
+            opt.step()
+
+        micro_step()  # this peer's first progress report; then let its tracker see both peers, so that they average
+        deadline = time.monotonic() + 120
+        while opt.tracker.global_progress.num_peers < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        while opt.local_epoch < 3 and time.monotonic() < deadline:
+            micro_step()
+        queue.put((client, modes, opt.local_epoch, initial, model.weight.detach().clone(), direction))
+        done.wait(timeout=60)  # stay in the swarm until both peers are through: the other may need this one's state
+    finally:
+        opt.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.forked
+def test_client_mode_peer_trains_with_a_full_peer():
+    """a peer behind NAT (hivemind.DHT(client_mode=True)) whose optimizer is built without client_mode trains through
+    epochs with a full peer; upstream 1.1.12's optimizer keeps client_mode=None there and dies when its first epoch
+    ends ("State sharing priority is unused: averager in client mode cannot share its state")"""
+    ctx = mp.get_context("fork")
+    queue, done = ctx.Queue(), ctx.Event()
+    full = ctx.Process(target=_train_full_or_client_peer, args=(False, None, queue, done))
+    full.start()
+    maddrs = queue.get(timeout=60)
+    client = ctx.Process(target=_train_full_or_client_peer, args=(True, maddrs, queue, done))
+    client.start()
+    try:
+        results = {r[0]: r[1:] for r in (queue.get(timeout=180), queue.get(timeout=180))}
+    finally:
+        done.set()
+        for process in full, client:
+            process.join(timeout=60)
+    for is_client, (modes, epoch, initial, weight, direction) in results.items():
+        assert modes == (is_client,) * 4
+        assert epoch >= 3
+        torch.testing.assert_close(weight, initial - epoch * direction)
+
+
+@pytest.mark.forked
+def test_explicit_client_mode_is_kept(dht):
+    """client_mode=True on a full DHT: every part of the peer is a client (upstream 1.1.12 replaces the value by the
+    DHT's, so its peer is a full one)"""
+    def modes(optimizer_cls, run_id):
+        opt = optimizer_cls(
+            dht=dht, run_id=run_id, target_batch_size=8, batch_size_per_step=2, client_mode=True,
+            params=torch.nn.Linear(3, 2).parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        )
+        try:
+            return opt.client_mode, opt.grad_averager.client_mode, opt.state_averager.client_mode, opt.tracker.client_mode
+        finally:
+            opt.shutdown()
+
+    assert not dht.client_mode
+    assert modes(hivemind_accum.Optimizer, "explicit") == (True, True, True, True)
+    assert modes(hivemind.Optimizer, "explicit_upstream") == (False, False, False, False)

@@ -70,7 +70,8 @@ class GradientAverager(upstream.GradientAverager):
     :param averaged_grads: if provided, the tensors to all-reduce: one per parameter, of the parameter's shape, on
       CPU. By default, one flat shared-memory CPU buffer per bucket, cut into per-parameter views.
     :param kwargs: see DecentralizedAverager keyword arguments for additional parameters
-    :raises ValueError: naming the parameter, for an empty or invalid ``parameters`` or a wrong ``averaged_grads``
+    :raises ValueError: naming the parameter, for an empty or invalid ``parameters`` (naming both positions of a
+      tensor listed twice) or a wrong ``averaged_grads``
     """
 
     keep_local_fallback: bool = True  # see step(); subclasses whose all-reduce keeps state of its own may opt out
@@ -201,7 +202,7 @@ class GradientAverager(upstream.GradientAverager):
         :raises ValueError: if ``batch_size`` is not a positive integer, or ``inv_grad_scale`` is given in in-place
           mode (there autograd has already added the gradients to the accumulators)
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size <= 0:
+        if not is_positive_int(batch_size):
             raise ValueError(f"batch_size: expected a positive int (samples in this micro-batch), got {batch_size!r}")
         if inv_grad_scale is not None and self.reuse_grad_buffers:
             raise ValueError(
@@ -345,6 +346,11 @@ class GradientAverager(upstream.GradientAverager):
     def _averaged_target(self, averaged_grads: Sequence[torch.Tensor]):
         """the averager's buffers as a copy destination: flat buckets when this averager made them, else the list"""
         return self._averaged_buckets if self._averaged_buckets is not None else averaged_grads
+
+
+def is_positive_int(value) -> bool:
+    """whether ``value`` is an int (of any integral type, but not a bool) greater than zero"""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value > 0
 
 
 def _check_averaged_grads(parameters: Sequence[torch.Tensor], averaged_grads: Sequence[torch.Tensor]) -> None:

@@ -9,7 +9,7 @@ The layout follows PyTorch DDP's ``gradient_as_bucket_view=True`` (gradients as 
 bucket) and its ``batched_grad_copy`` (one ``_foreach`` op per bucket instead of a per-parameter loop).
 """
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -67,6 +67,19 @@ def _dense_strides(tensor: torch.Tensor) -> Tuple[int, ...]:
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+def check_distinct(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+    """
+    :param named_tensors: (position, tensor) pairs, e.g. ``("parameters[3]", param)``
+    :raises ValueError: naming both positions if the same tensor object appears twice (in place, both would get the
+      same ``.grad`` and its gradient would be accumulated twice)
+    """
+    first_seen: Dict[int, str] = {}
+    for name, tensor in named_tensors:
+        if id(tensor) in first_seen:
+            raise ValueError(f"{first_seen[id(tensor)]} and {name} are the same tensor: pass each parameter once")
+        first_seen[id(tensor)] = name
+
+
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """move a flag or scale across devices: without blocking towards an accelerator (stream-ordered), blocking
     towards the CPU, whose kernels would otherwise read the destination before the copy lands"""
@@ -104,8 +117,8 @@ class GradientBuckets:
       averagers need for the tensors their background process all-reduces; use with ``device="cpu"``.
     :param upcast: if True, float16 and bfloat16 tensors get float32 buffers (and float32 views); tensors are still
       grouped by their own dtype, so buckets built from the same tensors with and without ``upcast`` pair up.
-    :raises ValueError: if ``tensors`` is empty or holds a non-tensor, a sparse or meta tensor or a non-float dtype
-      (the message names the offending position as ``parameters[i]``), or if ``device`` cannot be allocated on.
+    :raises ValueError: if ``tensors`` is empty or holds a non-tensor, a sparse or meta tensor, a non-float dtype or
+      the same tensor twice (the message names the offending positions as ``parameters[i]``), or if ``device`` cannot be allocated on.
     """
 
     def __init__(
@@ -130,6 +143,7 @@ class GradientBuckets:
             if not tensor.is_floating_point():
                 raise ValueError(f"parameters[{i}]: dtype {tensor.dtype} cannot hold gradients, use a float dtype")
             groups.setdefault((tensor.device, tensor.dtype), []).append(i)
+        check_distinct((f"parameters[{i}]", tensor) for i, tensor in enumerate(tensors))
 
         if device is not None:
             try:

@@ -2,16 +2,19 @@
 :class:`hivemind.Optimizer` that builds this package's gradient averager by default and handles loss scaling without
 a host-device synchronization per micro-step.
 """
-from typing import Callable, Optional
+import inspect
+from typing import Callable, List, Optional, Tuple
 
 import torch
+from hivemind.dht import DHT
 from hivemind.optim import optimizer as upstream
 from hivemind.optim.grad_averager import GradientAveragerFactory
 from hivemind.optim.grad_scaler import GradScaler as HivemindGradScaler
 from hivemind.utils import get_logger
 from torch.amp.grad_scaler import OptState
 
-from hivemind_accum.optim.grad_averager import GradientAverager
+from hivemind_accum.optim.grad_averager import GradientAverager, is_positive_int
+from hivemind_accum.optim.grad_buckets import check_distinct
 
 logger = get_logger(__name__)
 
@@ -25,18 +28,76 @@ class Optimizer(upstream.Optimizer):
       averager_rank=r)`` for PowerSGD);
     - ``zero_grad`` is allowed with ``reuse_grad_buffers=True`` (see :meth:`zero_grad`);
     - loss scaling (``scaler.step(opt)`` or ``opt.step(grad_scaler=scaler)``) costs no host-device synchronization
-      in the no-sync step and drops only an overflowing micro-step in the exact mode (see :meth:`step`).
+      in the no-sync step and drops only an overflowing micro-step in the exact mode (see :meth:`step`);
+    - ``client_mode`` defaults to the DHT's mode, as upstream documents (upstream 1.1.12 inverts that fallback: a peer
+      whose DHT is in client mode fails at its first epoch, and a ``client_mode`` given explicitly is replaced by the
+      DHT's);
+    - bad arguments get a ``TypeError`` or ``ValueError`` before anything starts (see :meth:`__init__`).
 
     See :class:`hivemind.Optimizer` for all parameters.
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        *args,
+        dht: DHT,
+        optimizer,
+        params=None,
+        batch_size_per_step: Optional[int] = None,
+        client_mode: Optional[bool] = None,
+        auxiliary: bool = False,
+        **kwargs,
+    ):
+        """
+        As :class:`hivemind.Optimizer` (same keyword-only arguments, listed by ``help`` and ``inspect.signature``),
+        with ``client_mode=None`` meaning the DHT's mode. Checked before any process or thread starts:
+
+        :raises TypeError: for positional arguments
+        :raises ValueError: if ``batch_size_per_step`` is not a positive int or None, if ``client_mode`` and
+          ``auxiliary`` are both true, or if a parameter is listed twice in ``params`` (or, without ``params``, in the
+          optimizer's ``param_groups``): the message names both positions
+        """
+        if args:
+            raise TypeError(
+                f"{type(self).__name__} takes keyword arguments only, as hivemind.Optimizer does (got {len(args)} "
+                f"positional): e.g. {type(self).__name__}(dht=dht, run_id=..., target_batch_size=..., "
+                f"batch_size_per_step=..., params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params))"
+            )
+        if batch_size_per_step is not None and not is_positive_int(batch_size_per_step):
+            raise ValueError(
+                f"batch_size_per_step: expected a positive int (samples per micro-step) or None (then pass "
+                f"batch_size= to every step()), got {batch_size_per_step!r}"
+            )
+        client_mode = dht.client_mode if client_mode is None else client_mode
+        if client_mode and auxiliary:
+            raise ValueError("client_mode, auxiliary: a client-mode peer cannot serve as an auxiliary peer")
+        if params is not None:
+            params, named = _params_as_lists(params)
+        else:
+            named = _named_params(getattr(optimizer, "param_groups", ()), "optimizer.param_groups")
+        check_distinct(named)
+        # upstream 1.1.12 computes `client_mode if client_mode is None else dht.client_mode`: kept here and restored in
+        # _make_progress_tracker, the first thing upstream's __init__ builds from self.client_mode
+        self._client_mode = client_mode
+        super().__init__(
+            dht=dht, optimizer=optimizer, params=params, batch_size_per_step=batch_size_per_step,
+            client_mode=client_mode, auxiliary=auxiliary, **kwargs,
+        )
         self._micro_step_scaler = None
         if self.use_gradient_averaging and not self.auxiliary:
             # torch.amp.GradScaler.step then hands itself to step() instead of unscaling and reading the overflow
             # flag on the host before every micro-step (upstream sets this only for reuse_grad_buffers=True)
             self._step_supports_amp_scaling = True
+
+    __init__.__signature__ = inspect.signature(upstream.Optimizer.__init__)  # help() lists upstream's arguments
+
+    def __del__(self):
+        if hasattr(self, "state_averager"):  # a constructor that raised early has nothing to shut down
+            super().__del__()
+
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs):
+        self.client_mode = self._client_mode  # see __init__
+        return super()._make_progress_tracker(target_batch_size, **kwargs)
 
     def step(
         self,
@@ -171,3 +232,27 @@ class Optimizer(upstream.Optimizer):
 
     def _make_gradient_averager(self, factory: Optional[GradientAveragerFactory], **kwargs) -> GradientAverager:
         return super()._make_gradient_averager(factory if factory is not None else GradientAverager, **kwargs)
+
+
+def _named_params(groups, prefix: str) -> List[Tuple[str, torch.Tensor]]:
+    """(position, tensor) for every parameter of a sequence of param groups, positions written from ``prefix``"""
+    return [
+        (f'{prefix}[{i}]["params"][{j}]', param)
+        for i, group in enumerate(groups)
+        if isinstance(group, dict)
+        for j, param in enumerate(group.get("params", ()))
+    ]
+
+
+def _params_as_lists(params):
+    """``params`` (tensors or param groups, each possibly a one-pass iterator) as lists, and its named parameters"""
+    params = list(params)
+    if all(isinstance(param, torch.Tensor) for param in params):
+        return params, [(f"params[{i}]", param) for i, param in enumerate(params)]
+    params = [
+        dict(group, params=[group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"]))
+        if isinstance(group, dict) and "params" in group
+        else group
+        for group in params
+    ]
+    return params, _named_params(params, "params")
