@@ -12,6 +12,8 @@ from hivemind.utils import get_logger
 from torch.amp.grad_scaler import OptState
 
 from hivemind_accum.optim.grad_averager import GradientAverager
+from hivemind_accum.optim.round_guard import all_finite
+from hivemind_accum.optim.state_averager import TrainingStateAverager
 
 logger = get_logger(__name__)
 
@@ -25,7 +27,10 @@ class Optimizer(upstream.Optimizer):
       averager_rank=r)`` for PowerSGD);
     - ``zero_grad`` is allowed with ``reuse_grad_buffers=True`` (see :meth:`zero_grad`);
     - loss scaling (``scaler.step(opt)`` or ``opt.step(grad_scaler=scaler)``) costs no host-device synchronization
-      in the no-sync step and drops only an overflowing micro-step in the exact mode (see :meth:`step`).
+      in the no-sync step and drops only an overflowing micro-step in the exact mode (see :meth:`step`);
+    - a peer never steps with, nor sends to peers, gradients or parameters that hold inf or NaN (see
+      :meth:`_load_averaged_gradients_into_optimizer_` and :class:`hivemind_accum.optim.state_averager.
+      TrainingStateAverager`, the state averager it builds).
 
     See :class:`hivemind.Optimizer` for all parameters.
     """
@@ -33,6 +38,10 @@ class Optimizer(upstream.Optimizer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._micro_step_scaler = None
+        self._grads_of_skipped_step = []
+        if self.use_gradient_averaging and self._guards_gradients():
+            self.state_averager.optimizer.register_step_pre_hook(self._skip_unusable_round)
+            self.state_averager.optimizer.register_step_post_hook(self._restore_grads_after_skip)
         if self.use_gradient_averaging and not self.auxiliary:
             # torch.amp.GradScaler.step then hands itself to step() instead of unscaling and reading the overflow
             # flag on the host before every micro-step (upstream sets this only for reuse_grad_buffers=True)
@@ -142,15 +151,117 @@ class Optimizer(upstream.Optimizer):
         return super()._begin_averaging_gradients(None)
 
     def _load_averaged_gradients_into_optimizer_(self):
-        """as upstream, but a missing ``.grad`` is first created in the parameter's dtype and device, so upstream
-        copies the averaged gradient into it (upstream would assign a clone of the float32 CPU buffer, which cannot
-        be the ``.grad`` of an fp16/bf16 or CUDA parameter)"""
+        """
+        Called by upstream with a round's averaged gradients in the averager's buffers. With this package's averagers
+        they are checked first (one read-only reduction per bucket) and used only if finite; otherwise the round
+        counts as failed: the optimizer steps with this peer's own gradients of the round (kept since the round
+        began, as for any failed round), or, if the averager keeps none (PowerSGD), skips its step. If this peer's own
+        gradients of the round held inf or NaN (they were sent as zeros with weight 0, see
+        :meth:`GradientAverager.load_accumulators_into_averager_`), it skips its step whatever the result.
+        """
+        if not self._guards_gradients():
+            return self._load_gradients_into_optimizer_()
+        guard = self.grad_averager.round_guard
+        if guard.own_finite:
+            with self.grad_averager.get_tensors() as averaged_grads:
+                finite = all_finite(self.grad_averager.flat_averaged_grads(averaged_grads))
+            if not finite and self.grad_averager.keep_local_fallback:
+                logger.warning(
+                    f"The averaged gradients of epoch {self.local_epoch}'s round hold inf or NaN: falling back to this "
+                    f"peer's own gradients of that round"
+                )
+                return self._load_local_gradients_into_optimizer()
+            if not finite:
+                logger.warning(
+                    f"The averaged gradients of epoch {self.local_epoch}'s round hold inf or NaN and this averager "
+                    f"keeps no local gradients to fall back to: this peer skips its optimizer step"
+                )
+                guard.round_usable = False
+        if not guard.round_usable:
+            self.grad_averager.discard_nonfinite_round_()  # PowerSGD: its residuals may hold the round's inf/NaN
+            return self.grad_averager.notify_used_averaged_gradients()  # the optimizer step will be skipped
+        self._load_gradients_into_optimizer_()
+
+    def _load_local_gradients_into_optimizer(self):
+        """as upstream (load this peer's own gradients of the round into the averager's buffers, then into the
+        optimizer), but they were checked as they were loaded: if they held inf or NaN, the optimizer step is skipped
+        (see :meth:`_skip_unusable_round`)"""
+        if not self._guards_gradients():
+            return super()._load_local_gradients_into_optimizer()
+        logger.log(self.status_loglevel, "Proceeding with local gradients")
+        self.grad_averager.load_accumulators_into_averager_()
+        if self.grad_averager.round_guard.round_usable:
+            self._load_gradients_into_optimizer_()
+        else:
+            self.grad_averager.notify_used_averaged_gradients()
+
+    def _load_gradients_into_optimizer_(self):
+        """upstream's ``_load_averaged_gradients_into_optimizer_``, after creating any missing ``.grad`` in the
+        parameter's dtype and device (not offloaded), so that upstream copies the averaged gradient into it (upstream
+        would assign a clone of the float32 CPU buffer, which cannot be the ``.grad`` of an fp16/bf16 or CUDA
+        parameter)"""
         if not self.offload_optimizer:
             for group in self.state_averager.optimizer.param_groups:
                 for param in group["params"]:
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
         super()._load_averaged_gradients_into_optimizer_()
+
+    def _skip_unusable_round(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        """
+        A step pre-hook of the torch optimizer (which the state averager runs, maybe in its background thread): if the
+        round this step would apply is not usable (``grad_averager.round_guard.round_usable``: this peer's gradients
+        held inf or NaN, or the average did and nothing could replace it), the step becomes a no-op: every parameter's
+        ``.grad`` is set to None, which torch optimizers skip (no update, no momentum, no weight decay), until
+        :meth:`_restore_grads_after_skip` puts them back right after the step. The next state averaging round
+        (which the state averager runs after this step) is then joined with weight 0, so the others are not pulled
+        back to this peer's older parameters.
+        """
+        if self.grad_averager.round_guard.round_usable:
+            return
+        logger.log(self.status_loglevel, f"Skipping the optimizer step of epoch {self.local_epoch} (inf or NaN)")
+        self._grads_of_skipped_step = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                self._grads_of_skipped_step.append((param, param.grad))
+                param.grad = None
+        self.state_averager.hold_back_()
+
+    def _restore_grads_after_skip(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        """a step post-hook: give back the ``.grad`` tensors that :meth:`_skip_unusable_round` took (with
+        ``offload_optimizer`` they are the averager's buffers, bound once at construction)"""
+        for param, grad in self._grads_of_skipped_step:
+            param.grad = grad
+        self._grads_of_skipped_step = []
+
+    def _compute_schema_hash(self) -> int:
+        """upstream's (parameter shapes and, offloaded, ``.grad`` identities), read while no optimizer step runs: a
+        skipped step takes the ``.grad`` tensors away for its duration, maybe in the state averager's thread"""
+        with self.state_averager.lock_optimizer:
+            return super()._compute_schema_hash()
+
+    def _guards_gradients(self) -> bool:
+        """whether the gradient averager is this package's (a ``grad_averager_factory`` may build another one)"""
+        return isinstance(self.grad_averager, GradientAverager)
+
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        """upstream's construction (the same arguments) of this package's :class:`TrainingStateAverager`, whose rounds
+        never take or offer inf/NaN"""
+        return TrainingStateAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
 
     def zero_grad(self, set_to_none: bool = True):
         """
