@@ -24,6 +24,8 @@ import pytest
 import torch
 
 import hivemind_accum
+from hivemind_accum.optim.round_guard import RoundGuard, all_finite
+from tests.conftest import shutting_down
 
 EPOCHS, MICRO_STEPS, BATCH = 3, 3, 2
 STEP_SLEEP = 0.1
@@ -41,6 +43,75 @@ def initial_weight() -> torch.Tensor:
 
 
 BAD = {"nan": float("nan"), "inf": float("inf")}
+
+
+def test_all_finite():
+    big = torch.full((4,), 3e38)  # finite, but its sum overflows to inf: checked again element by element
+    assert all_finite([big, torch.ones(3, dtype=torch.float16), torch.arange(3), torch.empty(0)])
+    for bad in float("nan"), float("inf"), -float("inf"):
+        for dtype in torch.float32, torch.bfloat16, torch.float64:
+            assert not all_finite([torch.ones(3), torch.tensor([1.0, bad], dtype=dtype)])
+    assert not all_finite([torch.tensor([3e38, float("inf")])])
+
+
+def test_round_guard_zeros_own_values_and_restores_them_after_a_nonfinite_result():
+    guard = RoundGuard("values")
+    own = [torch.tensor([1.0, float("nan")]), torch.tensor([2.0])]
+    guard.snapshot_(own)
+    assert not guard.offer_(own) and not guard.own_finite and not guard.round_usable
+    assert all(torch.equal(tensor, torch.zeros_like(tensor)) for tensor in own)  # sent as zeros (with weight 0)
+    own[0].fill_(5.0)  # a finite average from the others is accepted
+    assert guard.accept_(own) and torch.equal(own[0], torch.full((2,), 5.0))
+    own[1].fill_(float("inf"))  # a non-finite one is not: the values from before the round come back
+    assert not guard.accept_(own)
+    torch.testing.assert_close(own[0], torch.tensor([1.0, float("nan")]), equal_nan=True)
+    torch.testing.assert_close(own[1], torch.tensor([2.0]))
+    assert guard.offer_([torch.ones(2)]) and guard.own_finite and guard.round_usable
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True])
+def test_averager_loads_nonfinite_gradients_as_zeros_with_weight_zero(dht, reuse_grad_buffers):
+    """the check runs once, when the accumulators are loaded; the kept fallback is the zeros, and the next round's
+    finite gradients are offered again"""
+    model = torch.nn.Linear(3, 2)
+    averager = hivemind_accum.GradientAverager(
+        model.parameters(), dht=dht, prefix="nonfinite", reuse_grad_buffers=reuse_grad_buffers, start=False
+    )
+    with shutting_down(averager):
+        for scale in 1.0, float("nan"):
+            if not reuse_grad_buffers:
+                model.zero_grad()
+            (scale * model(torch.ones(1, 3))).sum().backward()
+            averager.accumulate_grads_(batch_size=2)
+        averager.load_accumulators_into_averager_()
+        assert not averager.round_guard.own_finite and averager.local_samples_accumulated == 0  # step()'s weight
+        with averager.get_tensors() as averaged:
+            assert all(torch.equal(grad, torch.zeros_like(grad)) for grad in averaged)
+        averager.reset_accumulated_grads_()
+        if not reuse_grad_buffers:
+            model.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        averager.accumulate_grads_(batch_size=2)
+        averager.load_accumulators_into_averager_()
+        assert averager.round_guard.own_finite and averager.local_samples_accumulated == 2
+        with averager.get_tensors() as (weight_grad, bias_grad):
+            torch.testing.assert_close(weight_grad, torch.ones(2, 3))
+            torch.testing.assert_close(bias_grad, torch.ones(2))
+
+
+@pytest.mark.forked
+def test_state_averager_does_not_share_a_nonfinite_state(dht):
+    params = [torch.nn.Parameter(torch.ones(3))]
+    averager = hivemind_accum.optim.state_averager.TrainingStateAverager(
+        dht=dht, prefix="nonfinite_state", optimizer=partial(torch.optim.SGD, lr=1.0), params=params, start=True
+    )
+    with shutting_down(averager):
+        assert torch.equal(averager.get_current_state()[1][0], torch.ones(3))
+        with torch.no_grad():
+            params[0][1] = float("nan")
+        with pytest.raises(RuntimeError, match="inf or NaN"):
+            averager.get_current_state()
 
 
 def _peer(rank, num_peers, config, initial_peers, conn, barrier):

@@ -66,7 +66,7 @@ class TrainingStateAverager(upstream.TrainingStateAverager, _FiniteStateDownload
 
     def hold_back_(self) -> None:
         """join the next averaging round with weight 0 (and take the others' average), e.g. after skipping an
-        optimizer step that the others took; cleared once a round brings a finite result"""
+        optimizer step that the others took; cleared once a round completes (not by a round that fails)"""
         self._hold_back.value = True
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info, group_id=None, **kwargs):
@@ -81,8 +81,9 @@ class TrainingStateAverager(upstream.TrainingStateAverager, _FiniteStateDownload
             if not guard.own_finite:
                 guard.restore_(tensors)  # zeros that no round replaced must not pass for this peer's state
             raise
-        if guard.accept_(tensors):
-            self._hold_back.value = False
+        guard.accept_(tensors)
+        self._hold_back.value = False  # held back for one completed round (if every member held back, the result is
+        # 0 / 0 and each keeps its own values: holding back again would repeat that forever)
 
     def get_current_state(self):
         """upstream's state for a downloading peer; raises if it holds inf or NaN, so that peer tries the next one"""
