@@ -12,7 +12,7 @@ from hivemind.utils import get_logger
 from torch.amp.grad_scaler import OptState
 
 from hivemind_accum.optim.grad_averager import GradientAverager
-from hivemind_accum.optim.round_guard import all_finite
+from hivemind_accum.optim.round_guard import SkipUnusableSteps, all_finite
 from hivemind_accum.optim.state_averager import TrainingStateAverager
 
 logger = get_logger(__name__)
@@ -38,10 +38,13 @@ class Optimizer(upstream.Optimizer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._micro_step_scaler = None
-        self._grads_of_skipped_step = []
         if self.use_gradient_averaging and self._guards_gradients():
-            self.state_averager.optimizer.register_step_pre_hook(self._skip_unusable_round)
-            self.state_averager.optimizer.register_step_post_hook(self._restore_grads_after_skip)
+            # a round whose gradients are not usable (inf/NaN, see _load_averaged_gradients_into_optimizer_) makes the
+            # optimizer step, run by the state averager (maybe in its thread), a no-op
+            self._skip_unusable_steps = SkipUnusableSteps(
+                self.state_averager.optimizer, usable=lambda: self.grad_averager.round_guard.round_usable,
+                on_skip=self._on_skipped_step,
+            )
         if self.use_gradient_averaging and not self.auxiliary:
             # torch.amp.GradScaler.step then hands itself to step() instead of unscaling and reading the overflow
             # flag on the host before every micro-step (upstream sets this only for reuse_grad_buffers=True)
@@ -185,7 +188,7 @@ class Optimizer(upstream.Optimizer):
     def _load_local_gradients_into_optimizer(self):
         """as upstream (load this peer's own gradients of the round into the averager's buffers, then into the
         optimizer), but they were checked as they were loaded: if they held inf or NaN, the optimizer step is skipped
-        (see :meth:`_skip_unusable_round`)"""
+        (see :class:`~hivemind_accum.optim.round_guard.SkipUnusableSteps`)"""
         if not self._guards_gradients():
             return super()._load_local_gradients_into_optimizer()
         logger.log(self.status_loglevel, "Proceeding with local gradients")
@@ -207,32 +210,12 @@ class Optimizer(upstream.Optimizer):
                         param.grad = torch.zeros_like(param)
         super()._load_averaged_gradients_into_optimizer_()
 
-    def _skip_unusable_round(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        """
-        A step pre-hook of the torch optimizer (which the state averager runs, maybe in its background thread): if the
-        round this step would apply is not usable (``grad_averager.round_guard.round_usable``: this peer's gradients
-        held inf or NaN, or the average did and nothing could replace it), the step becomes a no-op: every parameter's
-        ``.grad`` is set to None, which torch optimizers skip (no update, no momentum, no weight decay), until
-        :meth:`_restore_grads_after_skip` puts them back right after the step. The next state averaging round
-        (which the state averager runs after this step) is then joined with weight 0, so the others are not pulled
-        back to this peer's older parameters.
-        """
-        if self.grad_averager.round_guard.round_usable:
-            return
+    def _on_skipped_step(self) -> None:
+        """the optimizer step of an unusable round is about to be skipped: the next state averaging round (which the
+        state averager runs after this step) is joined with weight 0, so the others are not pulled back to this peer's
+        older parameters"""
         logger.log(self.status_loglevel, f"Skipping the optimizer step of epoch {self.local_epoch} (inf or NaN)")
-        self._grads_of_skipped_step = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                self._grads_of_skipped_step.append((param, param.grad))
-                param.grad = None
         self.state_averager.hold_back_()
-
-    def _restore_grads_after_skip(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        """a step post-hook: give back the ``.grad`` tensors that :meth:`_skip_unusable_round` took (with
-        ``offload_optimizer`` they are the averager's buffers, bound once at construction)"""
-        for param, grad in self._grads_of_skipped_step:
-            param.grad = grad
-        self._grads_of_skipped_step = []
 
     def _compute_schema_hash(self) -> int:
         """upstream's (parameter shapes and, offloaded, ``.grad`` identities), read while no optimizer step runs: a

@@ -9,17 +9,19 @@ This module knows nothing about hivemind's classes. It gives one check and one s
   (per flat bucket for this package's averagers) and one host read;
 - :class:`RoundGuard`: what one averager does around a round: before it, :meth:`RoundGuard.offer_` checks this peer's
   own values and replaces non-finite ones by zeros, to be sent with weight 0; after it, :meth:`RoundGuard.accept_`
-  checks the result and, if it is not finite, restores this peer's own values from a snapshot kept for that purpose.
+  checks the result and, if it is not finite, restores this peer's own values from a snapshot kept for that purpose;
+- :class:`SkipUnusableSteps`: step hooks that make a torch optimizer's step a no-op while a round is not usable.
 
 Who calls what:
 
 - :class:`hivemind_accum.GradientAverager` calls ``offer_`` on the shared buffers it has just loaded, once per round;
   :class:`hivemind_accum.Optimizer` checks the round's averaged gradients with :func:`all_finite` before stepping and,
-  if they are not finite, uses the round's own gradients (the averager's failed-round fallback) or skips its step.
+  if they are not finite, uses the round's own gradients (the averager's failed-round fallback) or skips its step
+  (``SkipUnusableSteps`` on the state averager's torch optimizer reads ``RoundGuard.round_usable``).
 - :class:`hivemind_accum.optim.state_averager.TrainingStateAverager` calls ``offer_``, ``snapshot_`` and ``accept_``
   around each parameter averaging all-reduce, in the averager's background process.
 """
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.utils import get_logger
@@ -112,3 +114,35 @@ class RoundGuard:
     def restore_(self, tensors: Sequence[torch.Tensor]) -> None:
         """copy the last :meth:`snapshot_` back into ``tensors``: one fused copy"""
         torch._foreach_copy_(list(tensors), self._snapshot)
+
+
+class SkipUnusableSteps:
+    """
+    Step hooks on a torch optimizer (``register_step_pre_hook`` / ``register_step_post_hook``) that turn a step into a
+    no-op while ``usable()`` is False: for the step's duration every parameter's ``.grad`` is None, which torch
+    optimizers skip (no update, no momentum, no weight decay); the post-hook puts the same ``.grad`` tensors back, so
+    buffers bound as ``.grad`` (hivemind's offloaded optimizer) stay bound. The hooks run in whichever thread steps.
+
+    :param optimizer: a torch optimizer whose parameters skip a step by having no ``.grad``
+    :param usable: called at each step (pre-hook): False to skip it
+    :param on_skip: called when a step is skipped, before it runs
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, usable: Callable[[], bool], on_skip: Callable[[], None]):
+        self.usable, self.on_skip = usable, on_skip
+        self._taken: List[Tuple[torch.Tensor, Optional[torch.Tensor]]] = []
+        optimizer.register_step_pre_hook(self._pre_step)
+        optimizer.register_step_post_hook(self._post_step)
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        if self.usable():
+            return
+        self.on_skip()
+        self._taken = [(param, param.grad) for group in optimizer.param_groups for param in group["params"]]
+        for param, _ in self._taken:
+            param.grad = None
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        for param, grad in self._taken:
+            param.grad = grad
+        self._taken = []
