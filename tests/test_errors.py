@@ -81,8 +81,9 @@ def test_sparse_gradients_accumulate_densely(dht, reuse_grad_buffers):
 @pytest.mark.parametrize("reuse_grad_buffers", [False, True], ids=["exact", "in_place"])
 def test_unusual_parameters_frozen_midway_non_contiguous_and_nan(dht, reuse_grad_buffers):
     """non-contiguous parameters (a transposed one and a strided slice), a layer frozen and unfrozen mid-epoch and a
-    NaN gradient: exact mode matches upstream, in-place mode matches native accumulation; the NaN is kept, never
-    silently dropped"""
+    NaN gradient: exact mode's accumulators match upstream's, in-place mode's native accumulation; the NaN is kept in
+    the accumulators, and the load into the averager says so: it sends zeros with weight 0 (issue 13), never the NaN
+    nor silently dropped gradients"""
     torch.manual_seed(0)
     transposed = torch.nn.Parameter(torch.randn(4, 3).t())  # strides (1, 3): dense, kept by the views
     strided = torch.nn.Parameter(torch.randn(4, 8)[:, ::2])  # not dense: its views are contiguous
@@ -116,14 +117,18 @@ def test_unusual_parameters_frozen_midway_non_contiguous_and_nan(dht, reuse_grad
         native = [n + (torch.zeros_like(n) if p.grad is None else p.grad) for n, p in zip(native, reference)]
         averager.accumulate_grads_(batch_size=2)
         upstream.accumulate_grads_(batch_size=2)
-    averager.load_accumulators_into_averager_()
     upstream.load_accumulators_into_averager_()
-    with averager.get_tensors() as ours, upstream.get_tensors() as ref:
+    ours = [accumulator / 4 for accumulator in averager._grad_accumulators()]  # what the load divides by 4 micro-steps
+    with upstream.get_tensors() as ref:
         expected = ref if not reuse_grad_buffers else [n / 4 for n in native]
         for o, e in zip(ours, expected, strict=True):
             torch.testing.assert_close(o, e, equal_nan=True)
-        assert ours[3][0].isnan() and not ours[2].isnan().any()
+    assert ours[3][0].isnan() and not ours[2].isnan().any()
     assert averager._grad_accumulators().__next__().stride() == (1, 3)
+    averager.load_accumulators_into_averager_()
+    assert not averager.round_guard.own_finite and averager.local_samples_accumulated == 0  # weight 0 in step()
+    with averager.get_tensors() as loaded:
+        assert all(torch.equal(grad, torch.zeros_like(grad)) for grad in loaded)
 
 
 @pytest.mark.forked

@@ -25,6 +25,7 @@ from hivemind.optim import grad_averager as upstream
 from hivemind.utils import get_logger
 
 from hivemind_accum.optim.grad_buckets import LOW_PRECISION, GradientBuckets
+from hivemind_accum.optim.round_guard import RoundGuard
 
 logger = get_logger(__name__)
 _get_grad = operator.attrgetter("grad")
@@ -132,6 +133,9 @@ class GradientAverager(upstream.GradientAverager):
         # allocated at the first round
         self._local_fallback: Optional[GradientBuckets] = None
         self._fallback_pending = False
+        # checks this peer's gradients once per round, as they are loaded: non-finite ones reach peers as zeros with
+        # weight 0 (round_guard.own_finite then tells the optimizer to skip its step)
+        self.round_guard = RoundGuard("accumulated gradients")
         DecentralizedAverager.__init__(
             self, averaged_tensors=averaged_grads, dht=dht, prefix=prefix, client_mode=client_mode, **kwargs
         )
@@ -272,6 +276,10 @@ class GradientAverager(upstream.GradientAverager):
         round then fails (the all-reduce raises or times out), the next ``load_accumulators_into_averager_`` (which
         ``hivemind.Optimizer`` calls to "proceed with local gradients") restores them instead of loading the
         already-reset accumulators, so the epoch's local work is not lost. Extra cost: one host copy per round.
+
+        If this peer's gradients hold inf or NaN, they are replaced by zeros and, with ``weight=None`` (the default, as
+        ``hivemind.Optimizer`` calls it), the round's weight is 0: see ``load_accumulators_into_averager_``. An
+        explicit ``weight`` is used as given.
         """
         self._check_running("step")
         self._fallback_pending = False
@@ -323,6 +331,11 @@ class GradientAverager(upstream.GradientAverager):
         buffers: one bulk copy (and one scale) per bucket. If the last ``step`` reset the accumulators and its
         result was not used yet (the round failed), load that round's local gradients instead. Micro-steps dropped for
         inf/NaN gradients are subtracted from the counters here (see ``accumulate_grads_``).
+
+        Then the loaded gradients are checked once (``round_guard.offer_``: one read-only reduction per bucket): if any
+        is inf or NaN, the buffers are set to zeros, ``local_samples_accumulated`` to 0 (so ``step`` joins the round
+        with weight 0 and peers receive nothing of this peer's) and ``round_guard.own_finite`` to False, which
+        :class:`hivemind_accum.Optimizer` reads to skip this epoch's optimizer step.
         """
         if self._fallback_pending:
             logger.info("Averaging round was not used: loading this round's local gradients, kept since step()")
@@ -337,11 +350,24 @@ class GradientAverager(upstream.GradientAverager):
         grad_scale = (self._anchor_correction / times) if times != 0 else 0.0
         with self.get_tensors() as averaged_grads:
             self._accumulators.scaled_copy_to_(self._averaged_target(averaged_grads), grad_scale)
+            if not self.round_guard.offer_(self.flat_averaged_grads(averaged_grads)):
+                self.local_samples_accumulated = 0  # step() then joins the round with weight 0 (and zeros)
 
     def notify_used_averaged_gradients(self):
         """Notify averager that the results of a previous averaging round are accounted for"""
         self._fallback_pending = False
         super().notify_used_averaged_gradients()
+
+    def flat_averaged_grads(self, averaged_grads: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """the averager's buffers (as given by ``get_tensors()``) as few tensors as possible, for one-pass checks: the
+        flat shared buckets when this averager made them, else ``averaged_grads`` itself"""
+        if self._averaged_buckets is None:
+            return averaged_grads
+        return [bucket.flat for bucket in self._averaged_buckets.buckets]
+
+    def discard_nonfinite_round_(self) -> None:
+        """called when a round's averaged gradients hold inf or NaN and are not used: nothing to do here, as this
+        averager keeps no state across rounds (see :class:`PowerSGDGradientAverager`, which does)"""
 
     def _averaged_target(self, averaged_grads: Sequence[torch.Tensor]):
         """the averager's buffers as a copy destination: flat buckets when this averager made them, else the list"""

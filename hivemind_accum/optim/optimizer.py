@@ -15,6 +15,8 @@ from torch.amp.grad_scaler import OptState
 
 from hivemind_accum.optim.grad_averager import GradientAverager, is_positive_int
 from hivemind_accum.optim.grad_buckets import check_distinct
+from hivemind_accum.optim.round_guard import SkipUnusableSteps, all_finite
+from hivemind_accum.optim.state_averager import TrainingStateAverager
 
 logger = get_logger(__name__)
 
@@ -32,7 +34,10 @@ class Optimizer(upstream.Optimizer):
     - ``client_mode`` defaults to the DHT's mode, as upstream documents (upstream 1.1.12 inverts that fallback: a peer
       whose DHT is in client mode fails at its first epoch, and a ``client_mode`` given explicitly is replaced by the
       DHT's);
-    - bad arguments get a ``TypeError`` or ``ValueError`` before anything starts (see :meth:`__init__`).
+    - bad arguments get a ``TypeError`` or ``ValueError`` before anything starts (see :meth:`__init__`);
+    - a peer never steps with, nor sends to peers, gradients or parameters that hold inf or NaN (see
+      :meth:`_load_averaged_gradients_into_optimizer_` and :class:`hivemind_accum.optim.state_averager.
+      TrainingStateAverager`, the state averager it builds).
 
     See :class:`hivemind.Optimizer` for all parameters.
     """
@@ -84,6 +89,13 @@ class Optimizer(upstream.Optimizer):
             client_mode=client_mode, auxiliary=auxiliary, **kwargs,
         )
         self._micro_step_scaler = None
+        if self.use_gradient_averaging and self._guards_gradients():
+            # a round whose gradients are not usable (inf/NaN, see _load_averaged_gradients_into_optimizer_) makes the
+            # optimizer step, run by the state averager (maybe in its thread), a no-op
+            self._skip_unusable_steps = SkipUnusableSteps(
+                self.state_averager.optimizer, usable=lambda: self.grad_averager.round_guard.round_usable,
+                on_skip=self._on_skipped_step,
+            )
         if self.use_gradient_averaging and not self.auxiliary:
             # torch.amp.GradScaler.step then hands itself to step() instead of unscaling and reading the overflow
             # flag on the host before every micro-step (upstream sets this only for reuse_grad_buffers=True)
@@ -204,15 +216,97 @@ class Optimizer(upstream.Optimizer):
         return super()._begin_averaging_gradients(None)
 
     def _load_averaged_gradients_into_optimizer_(self):
-        """as upstream, but a missing ``.grad`` is first created in the parameter's dtype and device, so upstream
-        copies the averaged gradient into it (upstream would assign a clone of the float32 CPU buffer, which cannot
-        be the ``.grad`` of an fp16/bf16 or CUDA parameter)"""
+        """
+        Called by upstream with a round's averaged gradients in the averager's buffers. With this package's averagers
+        they are checked first (one read-only reduction per bucket) and used only if finite; otherwise the round
+        counts as failed: the optimizer steps with this peer's own gradients of the round (kept since the round
+        began, as for any failed round), or, if the averager keeps none (PowerSGD), skips its step. If this peer's own
+        gradients of the round held inf or NaN (they were sent as zeros with weight 0, see
+        :meth:`GradientAverager.load_accumulators_into_averager_`), it skips its step whatever the result.
+        """
+        if not self._guards_gradients():
+            return self._load_gradients_into_optimizer_()
+        guard = self.grad_averager.round_guard
+        if guard.own_finite:
+            with self.grad_averager.get_tensors() as averaged_grads:
+                finite = all_finite(self.grad_averager.flat_averaged_grads(averaged_grads))
+            if not finite and self.grad_averager.keep_local_fallback:
+                logger.warning(
+                    f"The averaged gradients of epoch {self.local_epoch}'s round hold inf or NaN: falling back to this "
+                    f"peer's own gradients of that round"
+                )
+                return self._load_local_gradients_into_optimizer()
+            if not finite:
+                logger.warning(
+                    f"The averaged gradients of epoch {self.local_epoch}'s round hold inf or NaN and this averager "
+                    f"keeps no local gradients to fall back to: this peer skips its optimizer step"
+                )
+                guard.round_usable = False
+        if not guard.round_usable:
+            self.grad_averager.discard_nonfinite_round_()  # PowerSGD: its residuals may hold the round's inf/NaN
+            return self.grad_averager.notify_used_averaged_gradients()  # the optimizer step will be skipped
+        self._load_gradients_into_optimizer_()
+
+    def _load_local_gradients_into_optimizer(self):
+        """as upstream (load this peer's own gradients of the round into the averager's buffers, then into the
+        optimizer), but they were checked as they were loaded: if they held inf or NaN, the optimizer step is skipped
+        (see :class:`~hivemind_accum.optim.round_guard.SkipUnusableSteps`)"""
+        if not self._guards_gradients():
+            return super()._load_local_gradients_into_optimizer()
+        logger.log(self.status_loglevel, "Proceeding with local gradients")
+        self.grad_averager.load_accumulators_into_averager_()
+        if self.grad_averager.round_guard.round_usable:
+            self._load_gradients_into_optimizer_()
+        else:
+            self.grad_averager.notify_used_averaged_gradients()
+
+    def _load_gradients_into_optimizer_(self):
+        """upstream's ``_load_averaged_gradients_into_optimizer_``, after creating any missing ``.grad`` in the
+        parameter's dtype and device (not offloaded), so that upstream copies the averaged gradient into it (upstream
+        would assign a clone of the float32 CPU buffer, which cannot be the ``.grad`` of an fp16/bf16 or CUDA
+        parameter)"""
         if not self.offload_optimizer:
             for group in self.state_averager.optimizer.param_groups:
                 for param in group["params"]:
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
         super()._load_averaged_gradients_into_optimizer_()
+
+    def _on_skipped_step(self) -> None:
+        """the optimizer step of an unusable round is about to be skipped: the next state averaging round (which the
+        state averager runs after this step) is joined with weight 0, so the others are not pulled back to this peer's
+        older parameters"""
+        logger.log(self.status_loglevel, f"Skipping the optimizer step of epoch {self.local_epoch} (inf or NaN)")
+        self.state_averager.hold_back_()
+
+    def _compute_schema_hash(self) -> int:
+        """upstream's (parameter shapes and, offloaded, ``.grad`` identities), read while no optimizer step runs: a
+        skipped step takes the ``.grad`` tensors away for its duration, maybe in the state averager's thread"""
+        with self.state_averager.lock_optimizer:
+            return super()._compute_schema_hash()
+
+    def _guards_gradients(self) -> bool:
+        """whether the gradient averager is this package's (a ``grad_averager_factory`` may build another one)"""
+        return isinstance(self.grad_averager, GradientAverager)
+
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        """upstream's construction (the same arguments) of this package's :class:`TrainingStateAverager`, whose rounds
+        never take or offer inf/NaN"""
+        return TrainingStateAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
 
     def zero_grad(self, set_to_none: bool = True):
         """

@@ -6,9 +6,11 @@ Upstream's PowerSGD class calls ``super().__init__`` and the accumulation method
 :class:`~hivemind_accum.optim.grad_averager.GradientAverager` after it in the method resolution order makes every
 accumulation call land on the flat buckets while PowerSGD's compression and all-reduce phases run unchanged.
 """
+import torch
 from hivemind.optim import power_sgd_averager as upstream
 
 from hivemind_accum.optim.grad_averager import GradientAverager
+from hivemind_accum.optim.round_guard import all_finite
 
 
 class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverager):
@@ -23,6 +25,24 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
     round's local gradients (``keep_local_fallback = False``), as upstream: PowerSGD adds the round's gradients into
     its error-feedback buffers at the start of the all-reduce, so they reach a later round through error feedback, and
     applying them now as well would count them twice.
+
+    Non-finite values: this peer's own gradients are checked as they are loaded, as in
+    :class:`~hivemind_accum.optim.grad_averager.GradientAverager`, and sent as zeros with weight 0 if they hold inf or
+    NaN, so they never enter this peer's error-feedback buffers nor its ``P`` and ``Q`` contributions. A round whose
+    averaged result is not finite (every member had weight 0, or a member does not guard its gradients) has already
+    written inf/NaN into the error-feedback buffers and the warm-start ``Q`` matrices, which every later round would
+    carry: :meth:`discard_nonfinite_round_` then resets those (error feedback to zeros, ``Q`` to fresh random values as
+    at construction), losing the error feedback accumulated so far for those tensors, and the optimizer skips its step.
     """
 
     keep_local_fallback = False
+
+    @torch.no_grad()
+    def discard_nonfinite_round_(self) -> None:
+        """reset the error-feedback buffers (to zeros) and warm-start ``Q`` matrices (to ``torch.rand``, as upstream
+        initializes them) that a round with a non-finite result left non-finite"""
+        with self.get_tensors():  # the background process reads and writes them under this lock
+            for m, q in zip(self._ms, self._qs):
+                if not all_finite([m, q]):
+                    m.zero_()
+                    q.copy_(torch.rand(q.shape))

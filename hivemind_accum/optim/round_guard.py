@@ -1,0 +1,148 @@
+"""
+Keeping inf and NaN out of averaging rounds: one peer whose gradients or parameters are not finite must not poison
+every peer it averages with (an all-reduce computes ``sum(weight_i * x_i) / sum(weight_i)``, so a single NaN
+element reaches every member of the group, and a weight of 0 does not help: ``0 * NaN`` is NaN).
+
+This module knows nothing about hivemind's classes. It gives one check and one small per-averager record:
+
+- :func:`all_finite`: whether a sequence of tensors holds any inf or NaN, with one read-only reduction per tensor
+  (per flat bucket for this package's averagers) and one host read;
+- :class:`RoundGuard`: what one averager does around a round: before it, :meth:`RoundGuard.offer_` checks this peer's
+  own values and replaces non-finite ones by zeros, to be sent with weight 0; after it, :meth:`RoundGuard.accept_`
+  checks the result and, if it is not finite, restores this peer's own values from a snapshot kept for that purpose;
+- :class:`SkipUnusableSteps`: step hooks that make a torch optimizer's step a no-op while a round is not usable.
+
+Who calls what:
+
+- :class:`hivemind_accum.GradientAverager` calls ``offer_`` on the shared buffers it has just loaded, once per round;
+  :class:`hivemind_accum.Optimizer` checks the round's averaged gradients with :func:`all_finite` before stepping and,
+  if they are not finite, uses the round's own gradients (the averager's failed-round fallback) or skips its step
+  (``SkipUnusableSteps`` on the state averager's torch optimizer reads ``RoundGuard.round_usable``).
+- :class:`hivemind_accum.optim.state_averager.TrainingStateAverager` calls ``offer_``, ``snapshot_`` and ``accept_``
+  around each parameter averaging all-reduce, in the averager's background process.
+"""
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+from hivemind.utils import get_logger
+
+logger = get_logger(__name__)
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@torch.no_grad()
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """
+    Whether every element of every tensor is finite.
+
+    One read-only ``sum`` per floating-point tensor (accumulated in float32 for fp16/bf16), then one host read of all
+    the sums: a finite sum proves that every element is finite (inf and NaN propagate through addition). Only a
+    tensor whose sum is not finite is checked again element by element (``isfinite().all()``, which allocates a
+    boolean mask), so finite values whose sum overflows are not mistaken for inf. Tensors that are not floating point
+    (e.g. integer counters among optimizer statistics) are always finite and are skipped.
+
+    :param tensors: tensors of any shape, dtype and device (flat buffers give one reduction each)
+    :returns: False if any element is inf or NaN
+    """
+    floats = [tensor for tensor in tensors if tensor.is_floating_point() and tensor.numel() > 0]
+    if not floats:
+        return True
+    sums = [tensor.sum(dtype=torch.float32 if tensor.dtype in LOW_PRECISION else None) for tensor in floats]
+    finite_sums = torch.stack([total.to("cpu", torch.float64) for total in sums]).isfinite().tolist()
+    return all(finite or bool(torch.isfinite(tensor).all()) for tensor, finite in zip(floats, finite_sums))
+
+
+class RoundGuard:
+    """
+    One averager's defence against non-finite values, round by round.
+
+    :param what: what the averager averages, for log messages (e.g. ``"gradients"``)
+    """
+
+    def __init__(self, what: str):
+        self.what = what
+        self.own_finite = True  # whether this peer's own values were finite when last offered
+        # whether the round's values may be used (stepped with): own_finite, unless the user of the result (the
+        # optimizer) found the result not finite and nothing to replace it with
+        self.round_usable = True
+        self._snapshot: Optional[List[torch.Tensor]] = None
+
+    @torch.no_grad()
+    def offer_(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """
+        Before a round: check this peer's own values, about to be all-reduced; if any is inf or NaN, set all of them
+        to zeros (in place) and log a warning. The caller then joins the round with weight 0: the group's average
+        is the other members' average, and this peer receives it.
+
+        :param tensors: the averager's buffers, already holding this peer's values for the round
+        :returns: ``own_finite``: True if the values may be offered with their weight, False if they were zeroed
+        """
+        self.own_finite = self.round_usable = all_finite(tensors)
+        if not self.own_finite:
+            torch._foreach_zero_([tensor for tensor in tensors if tensor.numel() > 0])
+            logger.warning(
+                f"This peer's {self.what} hold inf or NaN: they are replaced by zeros and averaged with weight 0, so "
+                f"peers do not receive them"
+            )
+        return self.own_finite
+
+    @torch.no_grad()
+    def snapshot_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """keep a copy of ``tensors`` (this peer's own values) for :meth:`accept_`: one fused copy into buffers
+        allocated at the first call and reused"""
+        if self._snapshot is None:
+            self._snapshot = [torch.empty_like(tensor, device="cpu") for tensor in tensors]
+        torch._foreach_copy_(self._snapshot, list(tensors))
+
+    @torch.no_grad()
+    def accept_(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """
+        After a round: if its result in ``tensors`` holds inf or NaN, restore this peer's own values from the last
+        :meth:`snapshot_` and log a warning.
+
+        :param tensors: the averager's buffers, holding the round's result
+        :returns: True if the result was finite and kept
+        """
+        if all_finite(tensors):
+            return True
+        self.restore_(tensors)
+        logger.warning(f"The averaged {self.what} hold inf or NaN: this peer keeps its own {self.what} instead")
+        return False
+
+    @torch.no_grad()
+    def restore_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """copy the last :meth:`snapshot_` back into ``tensors``: one fused copy"""
+        torch._foreach_copy_(list(tensors), self._snapshot)
+
+
+class SkipUnusableSteps:
+    """
+    Step hooks on a torch optimizer (``register_step_pre_hook`` / ``register_step_post_hook``) that turn a step into a
+    no-op while ``usable()`` is False: for the step's duration every parameter's ``.grad`` is None, which torch
+    optimizers skip (no update, no momentum, no weight decay); the post-hook puts the same ``.grad`` tensors back, so
+    buffers bound as ``.grad`` (hivemind's offloaded optimizer) stay bound. The hooks run in whichever thread steps.
+
+    :param optimizer: a torch optimizer whose parameters skip a step by having no ``.grad``
+    :param usable: called at each step (pre-hook): False to skip it
+    :param on_skip: called when a step is skipped, before it runs
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, usable: Callable[[], bool], on_skip: Callable[[], None]):
+        self.usable, self.on_skip = usable, on_skip
+        self._taken: List[Tuple[torch.Tensor, Optional[torch.Tensor]]] = []
+        optimizer.register_step_pre_hook(self._pre_step)
+        optimizer.register_step_post_hook(self._post_step)
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        if self.usable():
+            return
+        self.on_skip()
+        self._taken = [(param, param.grad) for group in optimizer.param_groups for param in group["params"]]
+        for param, _ in self._taken:
+            param.grad = None
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        for param, grad in self._taken:
+            param.grad = grad
+        self._taken = []

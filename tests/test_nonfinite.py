@@ -1,0 +1,334 @@
+"""
+One peer with non-finite gradients or parameters must not poison the swarm (issue 13).
+
+Peers on loopback train one (8, 8) parameter with the linear loss ``sum(weight * direction)``, the same rank-1
+direction on every peer, and SGD at lr 1: a healthy peer's every optimizer step moves its parameter by exactly
+``-direction``, whether its round averaged with healthy peers, counted a bad one with weight 0 and zeros, or fell back
+to its own gradients (every healthy gradient is the same). A bad peer multiplies its loss by NaN or inf (``BAD``), so
+its gradients are non-finite by construction, or starts from NaN parameters; it must skip its optimizer step that
+epoch and never send inf/NaN to others. Upstream hivemind 1.1.12 makes the healthy peer NaN at the first round (a
+strict expected failure).
+
+The peers start together (a barrier), wait until their trackers see each other and then step at the same pace, so
+that rounds have both peers; a bad peer sleeps after its epoch transition so that healthy peers transition first and
+never download a lagging peer's state. The checks hold for any round outcome (averaged or failed); the tests also
+require that some round grouped a bad peer with a healthy one, without which they would show nothing.
+"""
+import multiprocessing as mp
+import time
+import traceback
+from functools import partial
+
+import hivemind
+import pytest
+import torch
+
+import hivemind_accum
+from hivemind_accum.optim.round_guard import RoundGuard, all_finite
+from tests.conftest import shutting_down
+
+EPOCHS, MICRO_STEPS, BATCH = 3, 3, 2  # epochs: at most, and by default; the two-peer NaN tests need two
+STEP_SLEEP = 0.1
+SHAPE = (8, 8)
+
+
+def direction() -> torch.Tensor:
+    """d(loss)/d(weight) of every healthy micro-step: rank 1, so that PowerSGD at rank 1 averages it exactly"""
+    generator = torch.Generator().manual_seed(13)
+    return torch.outer(torch.randn(SHAPE[0], generator=generator), torch.randn(SHAPE[1], generator=generator))
+
+
+def initial_weight() -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
+
+
+BAD = {"nan": float("nan"), "inf": float("inf")}
+
+
+def test_all_finite():
+    big = torch.full((4,), 3e38)  # finite, but its sum overflows to inf: checked again element by element
+    assert all_finite([big, torch.ones(3, dtype=torch.float16), torch.arange(3), torch.empty(0)])
+    for bad in float("nan"), float("inf"), -float("inf"):
+        for dtype in torch.float32, torch.bfloat16, torch.float64:
+            assert not all_finite([torch.ones(3), torch.tensor([1.0, bad], dtype=dtype)])
+    assert not all_finite([torch.tensor([3e38, float("inf")])])
+
+
+def test_round_guard_zeros_own_values_and_restores_them_after_a_nonfinite_result():
+    guard = RoundGuard("values")
+    own = [torch.tensor([1.0, float("nan")]), torch.tensor([2.0])]
+    guard.snapshot_(own)
+    assert not guard.offer_(own) and not guard.own_finite and not guard.round_usable
+    assert all(torch.equal(tensor, torch.zeros_like(tensor)) for tensor in own)  # sent as zeros (with weight 0)
+    own[0].fill_(5.0)  # a finite average from the others is accepted
+    assert guard.accept_(own) and torch.equal(own[0], torch.full((2,), 5.0))
+    own[1].fill_(float("inf"))  # a non-finite one is not: the values from before the round come back
+    assert not guard.accept_(own)
+    torch.testing.assert_close(own[0], torch.tensor([1.0, float("nan")]), equal_nan=True)
+    torch.testing.assert_close(own[1], torch.tensor([2.0]))
+    assert guard.offer_([torch.ones(2)]) and guard.own_finite and guard.round_usable
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True])
+def test_averager_loads_nonfinite_gradients_as_zeros_with_weight_zero(dht, reuse_grad_buffers):
+    """the check runs once, when the accumulators are loaded; the kept fallback is the zeros, and the next round's
+    finite gradients are offered again"""
+    model = torch.nn.Linear(3, 2)
+    averager = hivemind_accum.GradientAverager(
+        model.parameters(), dht=dht, prefix="nonfinite", reuse_grad_buffers=reuse_grad_buffers, start=False
+    )
+    with shutting_down(averager):
+        for scale in 1.0, float("nan"):
+            if not reuse_grad_buffers:
+                model.zero_grad()
+            (scale * model(torch.ones(1, 3))).sum().backward()
+            averager.accumulate_grads_(batch_size=2)
+        averager.load_accumulators_into_averager_()
+        assert not averager.round_guard.own_finite and averager.local_samples_accumulated == 0  # step()'s weight
+        with averager.get_tensors() as averaged:
+            assert all(torch.equal(grad, torch.zeros_like(grad)) for grad in averaged)
+        averager.reset_accumulated_grads_()
+        if not reuse_grad_buffers:
+            model.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        averager.accumulate_grads_(batch_size=2)
+        averager.load_accumulators_into_averager_()
+        assert averager.round_guard.own_finite and averager.local_samples_accumulated == 2
+        with averager.get_tensors() as (weight_grad, bias_grad):
+            torch.testing.assert_close(weight_grad, torch.ones(2, 3))
+            torch.testing.assert_close(bias_grad, torch.ones(2))
+
+
+@pytest.mark.forked
+def test_state_averager_does_not_share_a_nonfinite_state(dht):
+    params = [torch.nn.Parameter(torch.ones(3))]
+    averager = hivemind_accum.optim.state_averager.TrainingStateAverager(
+        dht=dht, prefix="nonfinite_state", optimizer=partial(torch.optim.SGD, lr=1.0), params=params, start=True
+    )
+    with shutting_down(averager):
+        assert torch.equal(averager.get_current_state()[1][0], torch.ones(3))
+        with torch.no_grad():
+            params[0][1] = float("nan")
+        with pytest.raises(RuntimeError, match="inf or NaN"):
+            averager.get_current_state()
+
+
+def _peer(rank, num_peers, epochs, config, initial_peers, conn, barrier):
+    dht = opt = None
+    try:
+        weight = torch.nn.Parameter(initial_weight())
+        if config.get("nan_params"):
+            weight.data.fill_(float("nan"))
+        dht = hivemind.DHT(start=True, initial_peers=initial_peers)
+        if rank == 0:
+            conn.send(("maddrs", [str(maddr) for maddr in dht.get_visible_maddrs()]))
+        optimizer_cls = hivemind.Optimizer if config.get("upstream") else hivemind_accum.Optimizer
+        opt = optimizer_cls(
+            dht=dht, run_id="nonfinite", params=[weight], optimizer=partial(torch.optim.SGD, lr=1.0),
+            target_batch_size=num_peers * MICRO_STEPS * BATCH, batch_size_per_step=BATCH,
+            matchmaking_time=1.0, averaging_timeout=5.0, **config.get("opt_kwargs", {}),
+        )
+        rounds = []  # (epoch, control) of every gradient round this peer began
+        averager_step = opt.grad_averager.step
+
+        def recording_step(*args, **kwargs):
+            epoch = opt.local_epoch
+            control = averager_step(*args, **kwargs)
+            rounds.append((epoch, control))
+            return control
+
+        opt.grad_averager.step = recording_step
+        downloads = []
+        load_state = opt.load_state_from_peers
+
+        def recording_load_state(*args, **kwargs):
+            downloads.append(opt.local_epoch)
+            return load_state(*args, **kwargs)
+
+        opt.load_state_from_peers = recording_load_state
+
+        d = direction()
+        barrier.wait(timeout=60)
+        transitions, micro_step = [], 0
+        deadline = time.monotonic() + 100
+        while opt.local_epoch < epochs:
+            assert time.monotonic() < deadline, f"peer {rank} stuck at epoch {opt.local_epoch}"
+            epoch, before = opt.local_epoch, weight.detach().clone()
+            if not config.get("opt_kwargs", {}).get("reuse_grad_buffers"):
+                opt.zero_grad()
+            loss = (weight * d).sum()
+            bad = config.get("bad", {}).get(epoch)
+            if bad is not None:
+                loss = loss * BAD[bad]
+            if config.get("nan_params"):  # finite gradients once the parameters are finite, NaN before
+                loss = loss + 0 * (weight * weight).sum()
+            loss.backward()
+            opt.step()
+            micro_step += 1
+            if micro_step == 1:  # wait until this peer's tracker sees every peer, then start together
+                while opt.tracker.global_progress.num_peers < num_peers:
+                    assert time.monotonic() < deadline, f"peer {rank} sees {opt.tracker.global_progress.num_peers}"
+                    time.sleep(0.1)
+                barrier.wait(timeout=60)
+            if opt.local_epoch != epoch:
+                transitions.append((epoch, weight.detach() - before, weight.detach().clone()))
+                if config.get("bad") or config.get("nan_params"):
+                    time.sleep(0.5)  # let the healthy peers transition first
+            time.sleep(STEP_SLEEP)
+        opt.state_averager.step(wait_for_delayed_updates=True)  # apply delayed optimizer steps and averaging
+        outcomes = {}
+        for epoch, control in rounds:
+            control.exception(timeout=30)
+            ok = control.done() and not control.cancelled() and control.exception() is None
+            outcomes[epoch] = dict(weight=control.weight, group=len(control.result()) if ok else 0)
+        conn.send(("done", dict(
+            epoch=opt.local_epoch, transitions=transitions, final=weight.detach().clone(), rounds=outcomes,
+            downloads=downloads,
+        )))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+    finally:
+        if opt is not None:
+            opt.shutdown()
+        if dht is not None:
+            dht.shutdown()
+
+
+def run_swarm(configs, epochs=EPOCHS):
+    """run one peer per config (rank 0 first: the others join its DHT); return each peer's report"""
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(len(configs))
+    conns, processes = [], []
+    try:
+        for rank, config in enumerate(configs):
+            reader, writer = ctx.Pipe(duplex=False)
+            initial_peers = None if rank == 0 else maddrs
+            process = ctx.Process(
+                target=_peer, args=(rank, len(configs), epochs, config, initial_peers, writer, barrier)
+            )
+            process.start()
+            writer.close()
+            conns.append(reader)
+            processes.append(process)
+            if rank == 0:
+                assert reader.poll(60), "peer 0 did not start"
+                kind, maddrs = reader.recv()
+                assert kind == "maddrs", maddrs
+        reports = []
+        for rank, conn in enumerate(conns):
+            assert conn.poll(150), f"peer {rank} did not report"
+            kind, payload = conn.recv()
+            assert kind == "done", f"peer {rank} failed:\n{payload}"
+            reports.append(payload)
+        return reports
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+
+
+def assert_stepped_every_epoch(report, skipped=(), per_epoch=True, epochs=EPOCHS):
+    """every epoch moved the parameter by exactly -direction (or, for ``skipped`` epochs, not at all), and it stayed
+    finite; with delayed optimizer steps the move shows up later, so only the final parameter is checked"""
+    d = direction()
+    assert report["epoch"] >= epochs and not report["downloads"], report
+    for epoch, move, weight in report["transitions"]:
+        assert torch.isfinite(weight).all(), f"epoch {epoch}: parameters not finite"
+        if per_epoch:
+            torch.testing.assert_close(move, torch.zeros_like(d) if epoch in skipped else -d, msg=f"epoch {epoch}")
+    steps = sum(1 for epoch in range(report["epoch"]) if epoch not in skipped)
+    torch.testing.assert_close(report["final"], initial_weight() - steps * d, rtol=1e-5, atol=1e-5)
+
+
+def assert_some_round_grouped(report, epochs=None):
+    """the scenario made at least one round (of the given epochs) average with another peer"""
+    groups = [outcome["group"] for epoch, outcome in report["rounds"].items() if epochs is None or epoch in epochs]
+    assert any(group >= 2 for group in groups), f"no averaging round had two peers: {report['rounds']}"
+
+
+def assert_took_a_healthy_state(report):
+    """a parameter that is finite and one of the healthy trajectory's points (its own or one taken from a peer)"""
+    d, final = direction(), report["final"]
+    assert torch.isfinite(final).all()
+    assert any(torch.allclose(final, initial_weight() - k * d, atol=1e-5) for k in range(EPOCHS + 2)), final
+
+
+ALWAYS_NAN = {"bad": {epoch: "nan" for epoch in range(EPOCHS + 2)}}
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize(
+    "reuse_grad_buffers, average_state_every, bad_peer",
+    [(False, 10**6, "guarded"), (True, 1, "guarded"), (True, 1, "upstream")],
+)
+def test_peer_with_nan_gradients_does_not_poison_the_other(reuse_grad_buffers, average_state_every, bad_peer):
+    """B's gradients are NaN at every micro-step: A moves by its own gradient every epoch, with parameter averaging off
+    (exact mode) and on (in-place mode: B, which skips its steps, joins state rounds with weight 0). A B that runs
+    upstream's optimizer sends its NaN gradients with its weight, then (after stepping with them) NaN parameters: A
+    finds both averages non-finite and falls back to its own gradients and parameters"""
+    healthy = dict(opt_kwargs=dict(reuse_grad_buffers=reuse_grad_buffers, average_state_every=average_state_every))
+    bad = dict(healthy, upstream=bad_peer == "upstream", **ALWAYS_NAN)
+    a, b = run_swarm([healthy, bad], epochs=2)
+    assert_stepped_every_epoch(a, epochs=2)
+    assert_some_round_grouped(a)
+    if bad_peer == "upstream":
+        assert any(outcome["weight"] > 0 for outcome in b["rounds"].values()), b["rounds"]
+        assert not torch.isfinite(b["final"]).any()  # what A would have become
+        return
+    assert all(outcome["weight"] == 0 for outcome in b["rounds"].values()), b["rounds"]
+    if average_state_every == 1:
+        assert_took_a_healthy_state(b)
+    else:  # B skipped every step and never averaged parameters: exactly where it started
+        torch.testing.assert_close(b["final"], initial_weight(), rtol=0, atol=0)
+
+
+@pytest.mark.forked
+def test_peer_with_nan_parameters_is_not_averaged_in_and_recovers():
+    """B starts with NaN parameters (so its gradients are NaN too), with delay_grad_averaging and parameter averaging
+    every epoch: it never sends them, takes A's parameters, and A moves by its own gradient every epoch"""
+    opt_kwargs = dict(delay_grad_averaging=True, delay_optimizer_step=True, average_state_every=1)
+    a, b = run_swarm([dict(opt_kwargs=opt_kwargs), dict(opt_kwargs=opt_kwargs, nan_params=True)])
+    assert_stepped_every_epoch(a, per_epoch=False)
+    assert_some_round_grouped(a)
+    assert_took_a_healthy_state(b)
+
+
+@pytest.mark.forked
+def test_one_inf_epoch_among_three_peers():
+    """C's gradients are inf in epoch 1 only: A (exact mode) and B (in place) average with each other (C with weight
+    0) or fall back; C skips that step and rejoins with its weight the next epoch; all stay finite"""
+    exact, in_place = dict(opt_kwargs=dict(average_state_every=10**6)), dict(
+        opt_kwargs=dict(reuse_grad_buffers=True, average_state_every=10**6)
+    )
+    a, b, c = run_swarm([exact, in_place, dict(exact, bad={1: "inf"})])
+    for healthy in a, b:
+        assert_stepped_every_epoch(healthy)
+    assert_stepped_every_epoch(c, skipped={1})
+    assert_some_round_grouped(a, epochs={1})
+    assert c["rounds"][1]["weight"] == 0 and c["rounds"][2]["weight"] > 0, c["rounds"]
+
+
+@pytest.mark.forked
+def test_powersgd_recovers_from_a_round_of_weight_zero_peers():
+    """PowerSGD (rank 1, in place): B's gradients are NaN every epoch and A's in epoch 1: that round's members all have
+    weight 0, its average is 0 / 0 = NaN and reaches the error-feedback buffers; A skips that step, resets them and
+    moves by its own gradient again from epoch 2 (without the reset it would stay stuck)"""
+    opt_kwargs = dict(
+        reuse_grad_buffers=True, average_state_every=10**6,
+        grad_averager_factory=partial(hivemind_accum.PowerSGDGradientAverager, averager_rank=1),
+    )
+    a, b = run_swarm([dict(opt_kwargs=opt_kwargs, bad={1: "nan"}), dict(opt_kwargs=opt_kwargs, **ALWAYS_NAN)])
+    assert_stepped_every_epoch(a, skipped={1})
+    assert_some_round_grouped(a, epochs={0, 2})
+    assert_some_round_grouped(a, epochs={1})
+
+
+@pytest.mark.forked
+@pytest.mark.xfail(strict=True, reason="upstream hivemind 1.1.12 averages a peer's NaN gradients into everyone's")
+def test_upstream_peer_with_nan_gradients_poisons_the_other():
+    healthy = dict(upstream=True, opt_kwargs=dict(average_state_every=10**6))
+    a, _ = run_swarm([healthy, dict(healthy, **ALWAYS_NAN)], epochs=2)
+    assert_stepped_every_epoch(a, epochs=2)
