@@ -9,9 +9,10 @@ into pytest-benchmark so its statistics, saved JSON and ``--benchmark-compare`` 
 package's modes also asserts its target:
 
 - CPU: exact mode micro-step at most 1.15x native accumulation; its no-sync step cheaper than upstream's on models of
-  100 M parameters and 100 tensors or more, and with fp16 loss scaling (where on the CPU it reads the overflow
-  decision on the host and makes fewer passes than upstream); in-place mode micro-step at most 1.03x native, its
-  no-sync step under 1 ms. The exact mode with fp16 loss scaling has no micro-step ratio target.
+  100 M parameters and 100 tensors or more, and with fp16 loss scaling at most ``FP16_EXACT_PARITY`` x upstream's
+  (on the CPU it reads the overflow decision on the host and makes as many passes as upstream, each as costly);
+  in-place mode micro-step at most 1.03x native, its no-sync step under 1 ms. The exact mode with fp16 loss scaling
+  has no micro-step ratio target.
 - CUDA (the report's setting): local throughput at least 0.99x native in place and 0.97x native exact; no host
   synchronization in either mode's no-sync step; exact mode fewer kernel launches per no-sync step than parameter
   tensors (one multi-tensor launch per up to 64 tensors per bucket, where upstream launches one or more per tensor);
@@ -31,6 +32,9 @@ CUDA = BENCH_DEVICE == "cuda"
 # micro-step time as a multiple of native's (on CUDA: 1 / the local-throughput target)
 MICRO_STEP_TARGETS = {"exact": 1 / 0.97, "inplace": 1 / 0.99} if CUDA else {"exact": 1.15, "inplace": 1.03}
 IN_PLACE_NO_SYNC_TARGET_S = 1e-3
+# CPU, fp16 loss scaling: exact no-sync step at most this multiple of upstream's (a tie by construction, see
+# test_no_sync_step; two quiet runs of the same code measured 0.98x and 1.06x)
+FP16_EXACT_PARITY = 1.10
 HIVEMIND_IMPLEMENTATIONS = [impl for impl in BENCH_IMPLEMENTATIONS if impl != "native"]
 
 
@@ -62,11 +66,19 @@ def test_no_sync_step(benchmark, sweep_results, model, impl):
     median, upstream = statistics.median(samples), statistics.median(pooled(runs["upstream"], "no_sync_step"))
     benchmark.extra_info.update(ratio_to_upstream=median / upstream, params=runs[impl][0]["params"])
     many_tensors = runs[impl][0]["params"] >= 100e6 and runs[impl][0]["tensors"] >= 100
-    if impl == "exact" and not CUDA and (many_tensors or model.endswith(":fp16")):
+    if impl == "exact" and not CUDA and many_tensors:
         # on CPU the no-sync step is memory-bound: the fused op saves upstream's per-tensor Python overhead, which
-        # stands out of the timing noise only with many tensors (ConvNeXt-Large: 344; Linear-100M has 48); with fp16
-        # loss scaling it makes one read-only pass where upstream unscales in place
+        # stands out of the timing noise only with many tensors (ConvNeXt-Large: 344; Linear-100M has 48)
         assert median < upstream, f"exact no-sync step on {model}: {1e3 * median:.2f} ms, upstream {1e3 * upstream:.2f} ms"
+    if impl == "exact" and not CUDA and model.endswith(":fp16"):
+        # with fp16 loss scaling both make two passes over the gradients (exact: a read-only check, then the add with
+        # the unscale folded in; upstream: unscale in place, then add) and on one core a read-only pass costs what a
+        # read-write one does (1.66 vs 1.61 ms per 8.4 M float32 elements, grad_buckets._add_finite_with_host_check):
+        # a tie, so this guards parity (two quiet runs measured 3.80 vs 3.86 and 4.13 vs 3.89 ms on Linear-10M)
+        assert median <= FP16_EXACT_PARITY * upstream, (
+            f"exact no-sync step on {model} with fp16 loss scaling: {1e3 * median:.2f} ms, upstream "
+            f"{1e3 * upstream:.2f} ms (target <= {FP16_EXACT_PARITY}x)"
+        )
     if impl == "inplace" and not CUDA:
         assert median < IN_PLACE_NO_SYNC_TARGET_S, f"in-place no-sync step on {model}: {1e3 * median:.3f} ms, target < 1 ms"
 
