@@ -8,6 +8,7 @@ finite, for loss scaling), zero, copy with a scale. Low-precision (fp16, bf16) t
 The layout follows PyTorch DDP's ``gradient_as_bucket_view=True`` (gradients as views of a communication
 bucket) and its ``batched_grad_copy`` (one ``_foreach`` op per bucket instead of a per-parameter loop).
 """
+import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -266,11 +267,15 @@ def _add_finite_with_host_check(
     from memory, medians of 40 interleaved runs: a sum per tensor 1.66 ms, one fused ``_foreach_norm`` 1.62 ms,
     ``_amp_foreach_non_finite_check_and_unscale_`` 1.61 ms), so this path matches upstream's cost instead of the device
     path's four passes. Finite gradients whose sum exceeds float32's range (3.4e38) would count as overflowed too"""
+    inv_scale = inv_scale.to("cpu", torch.float32)
     sums = [(grad.coalesce().values() if grad.is_sparse else grad).sum(dtype=torch.float32)
             for grad in sources if grad is not None]
-    finite = not sums or bool(torch.stack(sums).isfinite().all())
+    if sums:  # the decision and the unscale factor in one host read: the factor, or NaN if any source is not finite
+        inv_scale = torch.where(torch.stack(sums).isfinite().all(), inv_scale, float("nan"))
+    factor = inv_scale.item()
+    finite = math.isfinite(factor)  # an infinite 1 / loss scale drops the micro-step too, as on the device path
     if finite:
-        buckets.add_(sources, alpha=alpha * inv_scale.item())
+        buckets.add_(sources, alpha=alpha * factor)
     return torch.tensor(0.0 if finite else 1.0, device=buckets.buckets[0].flat.device)
 
 
