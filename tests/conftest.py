@@ -1,10 +1,34 @@
 import contextlib
-from typing import Iterator, List
+import pickle
+from typing import Any, Iterator, List, Optional
 
 import hivemind
 import pytest
 import torch
 from torch import nn
+
+
+def send_by_value(channel, message: Any) -> None:
+    """
+    Send ``message`` from a peer process to the test through a ``multiprocessing`` queue or pipe connection, pickled
+    by the standard pickler, so that its tensors travel as bytes. Sent as they are, torch's multiprocessing pickler
+    passes each tensor as a shared-memory file (hivemind sets torch's ``file_system`` sharing strategy) that is
+    removed when the sending process exits, which a peer may do before the test reads the message ("RuntimeError: No
+    such file or directory" in the test). Read it with :func:`receive_by_value`.
+    """
+    data = pickle.dumps(message)
+    channel.send_bytes(data) if hasattr(channel, "send_bytes") else channel.put(data)
+
+
+def receive_by_value(channel, timeout: Optional[float] = None) -> Any:
+    """
+    Read a message sent with :func:`send_by_value`.
+
+    :param channel: the queue or the pipe connection's reading end
+    :param timeout: seconds to wait on a queue (a connection: poll it first)
+    :raises queue.Empty: if a queue stays empty for ``timeout`` seconds
+    """
+    return pickle.loads(channel.recv_bytes() if hasattr(channel, "recv_bytes") else channel.get(timeout=timeout))
 
 
 class MixedNet(nn.Module):

@@ -28,7 +28,7 @@ import torch
 from hivemind.optim.progress_tracker import ProgressTracker
 
 import hivemind_accum
-from tests.conftest import shutting_down
+from tests.conftest import receive_by_value, send_by_value, shutting_down
 
 EPOCHS, MICRO_STEPS, BATCH = 3, 3, 2
 MATCHMAKING_TIME, AVERAGING_TIMEOUT = 1.0, 3.0
@@ -45,7 +45,7 @@ def _stalled_peer(run_id: str, queue, stop):
         tracker.report_local_progress(local_epoch=0, samples_accumulated=1)  # stored, valid for 600 s
         while not dht.get(f"{run_id}_progress", latest=True):
             time.sleep(0.1)
-        queue.put(dht.get_visible_maddrs())
+        send_by_value(queue, dht.get_visible_maddrs())
         stop.wait(timeout=300)
     finally:
         tracker.shutdown()
@@ -90,7 +90,7 @@ def _healthy_peer(impl: str, reuse_grad_buffers: bool, initial_peers, queue):
             micro_step()
             if opt.local_epoch != epoch:
                 epochs.append((model.weight.detach() - before, dict(events)))
-        queue.put((peers_seen, epochs, direction))
+        send_by_value(queue, (peers_seen, epochs, direction))
     finally:
         opt.shutdown()
         dht.shutdown()
@@ -110,10 +110,10 @@ def run_pair(impl: str, reuse_grad_buffers: bool = False):
     stalled = ctx.Process(target=_stalled_peer, args=(f"faults_{impl}", queue, stop))
     stalled.start()
     try:
-        maddrs = queue.get(timeout=60)
+        maddrs = receive_by_value(queue, timeout=60)
         healthy = ctx.Process(target=_healthy_peer, args=(impl, reuse_grad_buffers, maddrs, queue))
         healthy.start()
-        result = queue.get(timeout=150)
+        result = receive_by_value(queue, timeout=150)
         healthy.join(timeout=30)
         return result
     finally:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import hivemind_accum
-from tests.conftest import SINGLE_PEER_TRACKER
+from tests.conftest import SINGLE_PEER_TRACKER, receive_by_value, send_by_value
 
 MICRO_STEPS, BATCH, EPOCHS, LR, SCALE = 4, 2, 3, 0.5, 2.0**10
 
@@ -62,9 +62,9 @@ def _hivemind_run(scaler_kind: str, autocast_dtype, queue):
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
             scaler.step(opt)
             scaler.update()
-        queue.put((opt.local_epoch, [p.detach().clone() for p in model.parameters()]))
+        send_by_value(queue, (opt.local_epoch, [p.detach().clone() for p in model.parameters()]))
     except Exception as e:
-        queue.put(e)
+        send_by_value(queue, e)
     finally:
         opt.shutdown()
         dht.shutdown()
@@ -75,7 +75,7 @@ def hivemind_run(scaler_kind: str, autocast_dtype=None):
     queue = ctx.Queue()
     process = ctx.Process(target=_hivemind_run, args=(scaler_kind, autocast_dtype, queue))
     process.start()
-    result = queue.get(timeout=120)
+    result = receive_by_value(queue, timeout=120)
     process.join(timeout=60)
     return result
 

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 import hivemind_accum
 from hivemind_accum import GradientAverager
 from hivemind_accum.optim import grad_buckets
-from tests.conftest import SINGLE_PEER_TRACKER, MixedNet, mixed_batch, swarm
+from tests.conftest import SINGLE_PEER_TRACKER, MixedNet, mixed_batch, receive_by_value, send_by_value, swarm
 from tests.test_grad_scaler import BATCH, EPOCHS, LR, MICRO_STEPS, SCALE, make_model
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero")  # what .item() / bool(tensor) launch
@@ -246,9 +246,9 @@ def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivem
                 sync_ops.append(sum(1 for e in prof.events() if e.name in SYNC_OPS))
             in_epoch = 0 if opt.local_epoch != epoch else in_epoch + 1
             scales.append(scaler.get_scale())
-        queue.put((opt.local_epoch, [p.detach().clone() for p in model.parameters()], loaded, sync_ops, scales))
+        send_by_value(queue, (opt.local_epoch, [p.detach().clone() for p in model.parameters()], loaded, sync_ops, scales))
     except Exception as e:
-        queue.put(e)
+        send_by_value(queue, e)
     finally:
         opt.shutdown()
         dht.shutdown()
@@ -261,7 +261,7 @@ def train(scaler_kind: str, reuse_grad_buffers: bool, overflow=frozenset(), opti
     queue = ctx.Queue()
     process = ctx.Process(target=_train, args=(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls, path))
     process.start()
-    result = queue.get(timeout=120)
+    result = receive_by_value(queue, timeout=120)
     process.join(timeout=60)
     if isinstance(result, Exception):
         raise result
@@ -383,10 +383,10 @@ def _powersgd_peer(rank: int, initial_peers, queue, barrier):
             opt.step()
             step += 1
             time.sleep(0.25)  # both peers reach each epoch's end together, so the round finds its group
-        queue.put((rank, opt.local_epoch, initial_loss, loss(), sum(averaged_rounds),
-                   all(p.isfinite().all() for p in model.parameters())))
+        send_by_value(queue, (rank, opt.local_epoch, initial_loss, loss(), sum(averaged_rounds),
+                              all(p.isfinite().all() for p in model.parameters())))
     except Exception as e:
-        queue.put(e)
+        send_by_value(queue, e)
     finally:
         opt.shutdown()
         dht.shutdown()
@@ -414,7 +414,7 @@ def test_bf16_model_trains_with_two_peers_and_powersgd():
         for process in peers:
             process.start()
         try:
-            results = [queue.get(timeout=200) for _ in peers]
+            results = [receive_by_value(queue, timeout=200) for _ in peers]
         finally:
             for process in peers:
                 process.join(timeout=30)

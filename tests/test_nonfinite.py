@@ -25,7 +25,7 @@ import torch
 
 import hivemind_accum
 from hivemind_accum.optim.round_guard import RoundGuard, all_finite
-from tests.conftest import shutting_down
+from tests.conftest import receive_by_value, send_by_value, shutting_down
 
 EPOCHS, MICRO_STEPS, BATCH = 3, 3, 2  # epochs: at most, and by default; the two-peer NaN tests need two
 STEP_SLEEP = 0.1
@@ -122,7 +122,7 @@ def _peer(rank, num_peers, epochs, config, initial_peers, conn, barrier):
             weight.data.fill_(float("nan"))
         dht = hivemind.DHT(start=True, initial_peers=initial_peers)
         if rank == 0:
-            conn.send(("maddrs", [str(maddr) for maddr in dht.get_visible_maddrs()]))
+            send_by_value(conn, ("maddrs", [str(maddr) for maddr in dht.get_visible_maddrs()]))
         optimizer_cls = hivemind.Optimizer if config.get("upstream") else hivemind_accum.Optimizer
         opt = optimizer_cls(
             dht=dht, run_id="nonfinite", params=[weight], optimizer=partial(torch.optim.SGD, lr=1.0),
@@ -182,12 +182,12 @@ def _peer(rank, num_peers, epochs, config, initial_peers, conn, barrier):
             control.exception(timeout=30)
             ok = control.done() and not control.cancelled() and control.exception() is None
             outcomes[epoch] = dict(weight=control.weight, group=len(control.result()) if ok else 0)
-        conn.send(("done", dict(
+        send_by_value(conn, ("done", dict(
             epoch=opt.local_epoch, transitions=transitions, final=weight.detach().clone(), rounds=outcomes,
             downloads=downloads,
         )))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        send_by_value(conn, ("error", traceback.format_exc()))
         raise
     finally:
         if opt is not None:
@@ -214,12 +214,12 @@ def run_swarm(configs, epochs=EPOCHS):
             processes.append(process)
             if rank == 0:
                 assert reader.poll(60), "peer 0 did not start"
-                kind, maddrs = reader.recv()
+                kind, maddrs = receive_by_value(reader)
                 assert kind == "maddrs", maddrs
         reports = []
         for rank, conn in enumerate(conns):
             assert conn.poll(150), f"peer {rank} did not report"
-            kind, payload = conn.recv()
+            kind, payload = receive_by_value(conn)
             assert kind == "done", f"peer {rank} failed:\n{payload}"
             reports.append(payload)
         return reports

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import hivemind_accum
-from tests.conftest import SINGLE_PEER_TRACKER
+from tests.conftest import SINGLE_PEER_TRACKER, receive_by_value, send_by_value
 
 
 def _train_one_peer(optimizer_cls_name: str, reuse_grad_buffers: bool, offload: bool, zero_grad: bool, result_queue):
@@ -40,7 +40,7 @@ def _train_one_peer(optimizer_cls_name: str, reuse_grad_buffers: bool, offload: 
             opt.step()
             epochs.append(opt.local_epoch)
         averager = f"{type(opt.grad_averager).__module__}.{type(opt.grad_averager).__name__}"
-        result_queue.put((epochs, initial, [p.detach().clone() for p in model.parameters()], averager))
+        send_by_value(result_queue, (epochs, initial, [p.detach().clone() for p in model.parameters()], averager))
     finally:
         opt.shutdown()
         dht.shutdown()
@@ -51,7 +51,7 @@ def train_one_peer(name: str, reuse_grad_buffers: bool = False, offload: bool = 
     queue = ctx.Queue()
     process = ctx.Process(target=_train_one_peer, args=(name, reuse_grad_buffers, offload, zero_grad, queue))
     process.start()
-    *result, averager = queue.get(timeout=120)
+    *result, averager = receive_by_value(queue, timeout=120)
     process.join(timeout=60)
     expected = "hivemind.optim.grad_averager" if name == "upstream" else "hivemind_accum.optim.grad_averager"
     assert averager == expected + ".GradientAverager"
@@ -125,7 +125,7 @@ def _train_full_or_client_peer(client: bool, initial_peers, queue, done):
     initial = model.weight.detach().clone()
     dht = hivemind.DHT(start=True, client_mode=client, initial_peers=initial_peers)
     if not client:
-        queue.put(dht.get_visible_maddrs())
+        send_by_value(queue, dht.get_visible_maddrs())
     opt = hivemind_accum.Optimizer(  # no client_mode=: taken from the DHT
         dht=dht, run_id="client_mode", params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
         target_batch_size=16, batch_size_per_step=4, matchmaking_time=1.0, averaging_timeout=5.0,
@@ -145,7 +145,7 @@ def _train_full_or_client_peer(client: bool, initial_peers, queue, done):
             time.sleep(0.1)
         while opt.local_epoch < 3 and time.monotonic() < deadline:
             micro_step()
-        queue.put((client, modes, opt.local_epoch, initial, model.weight.detach().clone(), direction))
+        send_by_value(queue, (client, modes, opt.local_epoch, initial, model.weight.detach().clone(), direction))
         done.wait(timeout=60)  # stay in the swarm until both peers are through: the other may need this one's state
     finally:
         opt.shutdown()
@@ -161,11 +161,11 @@ def test_client_mode_peer_trains_with_a_full_peer():
     queue, done = ctx.Queue(), ctx.Event()
     full = ctx.Process(target=_train_full_or_client_peer, args=(False, None, queue, done))
     full.start()
-    maddrs = queue.get(timeout=60)
+    maddrs = receive_by_value(queue, timeout=60)
     client = ctx.Process(target=_train_full_or_client_peer, args=(True, maddrs, queue, done))
     client.start()
     try:
-        results = {r[0]: r[1:] for r in (queue.get(timeout=180), queue.get(timeout=180))}
+        results = {r[0]: r[1:] for r in (receive_by_value(queue, timeout=180), receive_by_value(queue, timeout=180))}
     finally:
         done.set()
         for process in full, client:

@@ -62,6 +62,7 @@ from hivemind.compression import NoCompression
 from hivemind.utils import MPFuture, get_dht_time
 
 import hivemind_accum
+from tests.conftest import receive_by_value, send_by_value
 
 EPOCHS = int(os.environ.get("HIVEMIND_ACCUM_SOAK_EPOCHS", "8"))
 LONG = EPOCHS >= 20
@@ -161,7 +162,7 @@ class PeerContext:
         self.events = {}
 
     def send(self, *message):
-        self.conn.send(message)
+        send_by_value(self.conn, message)
 
     def failure(self):
         return self.failures.get((self.rank, self.opt.local_epoch))
@@ -332,7 +333,7 @@ def _peer(rank, conn, initial_peers, failures, kill_at, start_barrier, go, stop,
             time.sleep(STEP_SLEEP)
         soak.send("done", rank, opt.local_epoch)
     except BaseException:
-        conn.send(("error", rank, traceback.format_exc()))
+        send_by_value(conn, ("error", rank, traceback.format_exc()))
         raise
     finally:
         if opt is not None:
@@ -369,7 +370,7 @@ class Swarm:
         for conn in mp.connection.wait(list(self.conns.values()), timeout=timeout):
             rank = next(rank for rank, other in self.conns.items() if other is conn)
             try:
-                kind, sender, payload = conn.recv()
+                kind, sender, payload = receive_by_value(conn)
             except (EOFError, OSError):
                 del self.conns[rank]
                 continue
