@@ -1,6 +1,6 @@
 """
 The main job: what ``hivemind_accum`` changes against upstream hivemind and native PyTorch accumulation, shown on one
-machine in three sections, each comparing like with like, then one line per claim.
+machine in four sections, each comparing like with like, then one line per claim.
 
 Five modes are compared, and every row names its mode:
 
@@ -30,8 +30,8 @@ Five modes are compared, and every row names its mode:
    - ``step ms fp16``: the no-sync ``scaler.step(opt)`` + ``scaler.update()`` in that setting (fp16 micro-steps take
      1 x 4 tokens: CPU fp16 matmuls are slow, and what the no-sync step does depends on the gradients, not the batch);
    - ``accum MB`` (fp32 / fp16): gradient memory held by the accumulators beyond the model's ``.grad``, on the
-     gradients' device (upstream: its per-parameter accumulators; exact: its flat buffers plus, with loss scaling,
-     the staging buffer each micro-step is copied into before it is unscaled and checked); the averager's shared
+     gradients' device (upstream: its per-parameter accumulators; exact: its flat buffers, plus any staging buffer
+     kept on the CPU, which loss scaling of float32 gradients there does not need); the averager's shared
      CPU buffers, the same in every hivemind mode, are not counted;
    - ``fallback MB``: the host copy of each round's local gradients that ``hivemind_accum`` keeps so that a failed
      averaging round does not lose them (allocated at the first round; upstream has none and loses them);

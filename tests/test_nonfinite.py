@@ -101,6 +101,30 @@ def test_averager_loads_nonfinite_gradients_as_zeros_with_weight_zero(dht, reuse
 
 
 @pytest.mark.forked
+def test_powersgd_never_enters_a_round_with_nonfinite_error_feedback_or_q(dht):
+    """a round that failed between PowerSGD's two phases leaves Q = M^T P with a 0 / 0 P, and P = M Q of a peer with
+    weight 0 would still be NaN in the next round: loading the next round's gradients resets the poisoned pair first,
+    and leaves finite ones alone"""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
+    averager = hivemind_accum.PowerSGDGradientAverager(
+        model.parameters(), averager_rank=1, dht=dht, prefix="nonfinite_powersgd", start=False
+    )
+    with shutting_down(averager):
+        with averager.get_tensors():
+            averager._qs[0].fill_(float("nan"))  # what the failed round left
+            averager._ms[0].fill_(1.0)
+            averager._ms[1].fill_(2.0)
+        healthy_q = averager._qs[1].clone()
+        model(torch.ones(1, 4)).sum().backward()
+        averager.accumulate_grads_(batch_size=1)
+        averager.load_accumulators_into_averager_()
+        assert averager.round_guard.own_finite and averager.local_samples_accumulated == 1
+        with averager.get_tensors():
+            assert torch.equal(averager._ms[0], torch.zeros(4, 4)) and torch.isfinite(averager._qs[0]).all()
+            assert torch.equal(averager._ms[1], torch.full((4, 4), 2.0)) and torch.equal(averager._qs[1], healthy_q)
+
+
+@pytest.mark.forked
 def test_state_averager_does_not_share_a_nonfinite_state(dht):
     params = [torch.nn.Parameter(torch.ones(3))]
     averager = hivemind_accum.optim.state_averager.TrainingStateAverager(

@@ -191,11 +191,12 @@ class GradientAverager(upstream.GradientAverager):
         With a loss scale (exact mode only), ``inv_grad_scale`` unscales this micro-step's gradients as they are added,
         and a micro-step whose gradients hold any inf or NaN is dropped whole: it adds nothing, and its micro-step and
         samples are subtracted from ``local_times_accumulated`` and ``local_samples_accumulated`` (hence from the
-        averaging weight) at the next ``load_accumulators_into_averager_``, the only point that reads the decision on
-        the host; if the first micro-step was dropped, the batch-size weights are rebased there on the first one kept,
+        averaging weight) at the next ``load_accumulators_into_averager_``, which reads the dropped count on the host
+        once per round; if the first micro-step was dropped, the batch-size weights are rebased there on the first one kept,
         so the result equals upstream's fed only the kept micro-steps. On an accelerator the decision stays on the
         device (no host-device synchronization here); when gradients and accumulators are all on the CPU it is read on
-        the host, where that costs nothing, to save passes over memory (:meth:`GradientBuckets.add_finite_`). The
+        the host, where that costs nothing, with one read per micro-step and as many passes over memory as upstream
+        (:meth:`GradientBuckets.add_finite_`). The
         gradients in ``.grad`` are left as they are.
 
         :param batch_size: number of samples in this micro-batch, a positive integer

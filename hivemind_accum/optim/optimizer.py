@@ -121,14 +121,15 @@ class Optimizer(upstream.Optimizer):
         As :meth:`hivemind.Optimizer.step`, with loss scaling handled on the device:
 
         - exact mode (``reuse_grad_buffers=False``), with ``torch.amp.GradScaler``: each micro-step's gradients are
-          unscaled (in the accumulators' dtype) and checked for inf/NaN on the device as they are accumulated
+          unscaled (in the accumulators' dtype) and checked for inf/NaN as they are accumulated
           (:meth:`GradientAverager.accumulate_grads_` with ``inv_grad_scale``). A micro-step that overflows is dropped
           whole and the scaler's ``update()`` backs the scale off as usual; the rest of the epoch's micro-steps still
           count. Its samples leave this peer's averaging weight and, read once when the epoch is due, its progress:
           if the dropped samples were needed to reach the target batch size, the epoch goes on. ``.grad`` keeps the
           scaled gradients unless the loop called ``scaler.unscale_(opt)``. On an accelerator neither ``step`` nor
           ``update`` synchronizes; with everything on the CPU the overflow decision is read on the host (free there),
-          which saves a pass over the gradients. The scale may grow after ``growth_interval`` micro-steps without
+          once per micro-step, which makes as many passes over the gradients as upstream instead of the device path's
+          four. The scale may grow after ``growth_interval`` micro-steps without
           overflow (it is only used within a micro-step, so this is safe).
         - in-place mode (``reuse_grad_buffers=True``), ``hivemind.GradScaler`` only: the no-sync step does no
           check at all; the accumulated gradients are unscaled and checked once per round, before averaging (one
@@ -174,9 +175,10 @@ class Optimizer(upstream.Optimizer):
             self._micro_step_scaler = None
 
     def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler: Optional[HivemindGradScaler]) -> bool:
-        """accumulate this micro-step's gradients without reading anything on the host (see :meth:`step`)"""
+        """accumulate this micro-step's gradients without reading anything on the host on an accelerator (on the CPU:
+        one read, see :meth:`step`)"""
         scaler = self._micro_step_scaler
-        if scaler is not None:  # exact mode: unscale, check and maybe drop on the device
+        if scaler is not None:  # exact mode: unscale, check and maybe drop (on an accelerator, on the device)
             state = scaler._per_optimizer_states[id(self)]
             if state["stage"] is OptState.UNSCALED:  # the loop called torch.amp.GradScaler.unscale_(opt)
                 inv_grad_scale = torch.ones((), dtype=torch.float32, device=scaler._scale.device)

@@ -33,15 +33,29 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
     written inf/NaN into the error-feedback buffers and the warm-start ``Q`` matrices, which every later round would
     carry: :meth:`discard_nonfinite_round_` then resets those (error feedback to zeros, ``Q`` to fresh random values as
     at construction), losing the error feedback accumulated so far for those tensors, and the optimizer skips its step.
+    A round can also leave them non-finite without reporting a result to this peer (one that fails between PowerSGD's
+    two all-reduce phases has already written ``Q = M^T P`` from a 0 / 0 ``P``), and a peer's zeros with weight 0 are
+    harmless only if its ``P = M Q`` is finite (``0 * NaN`` is NaN): so every round also begins with this reset
+    (:meth:`load_accumulators_into_averager_`, one more read-only pass over ``M`` and ``Q`` per round).
     """
 
     keep_local_fallback = False
 
     @torch.no_grad()
+    def load_accumulators_into_averager_(self):
+        """:meth:`GradientAverager.load_accumulators_into_averager_`, after :meth:`discard_nonfinite_round_`: this
+        peer never enters a round with inf/NaN error feedback or ``Q``, whatever became of the previous round"""
+        self.discard_nonfinite_round_()
+        super().load_accumulators_into_averager_()
+
+    @torch.no_grad()
     def discard_nonfinite_round_(self) -> None:
         """reset the error-feedback buffers (to zeros) and warm-start ``Q`` matrices (to ``torch.rand``, as upstream
-        initializes them) that a round with a non-finite result left non-finite"""
+        initializes them) that a round left non-finite: one check of all of them (one read-only pass, one host read),
+        then, only if that fails, one per tensor"""
         with self.get_tensors():  # the background process reads and writes them under this lock
+            if all_finite(self._ms + self._qs):
+                return
             for m, q in zip(self._ms, self._qs):
                 if not all_finite([m, q]):
                     m.zero_()
