@@ -240,6 +240,11 @@ def _wrap(opt, name, before=None, after=None):
 
 def _peer(rank, conn, initial_peers, failures, kill_at, start_barrier, go, stop, deadline):
     os.setpgid(0, 0)  # the peer and everything it starts (DHT, averagers, p2pd) form one process group
+    # hivemind's MPFuture locks are module-level multiprocessing locks, inherited through fork by every peer of this
+    # test: the victim's SIGKILL could land while one of its processes holds one, and every other peer would then block
+    # on it forever (seen once in 15 runs: peers stuck in MPFuture._send_update). Fresh locks per peer keep each lock
+    # within one peer's process group, which dies whole
+    MPFuture.reset_backend()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks if the swarm gets stuck
     dht = opt = None
     try:
