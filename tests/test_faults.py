@@ -52,19 +52,24 @@ def _stalled_peer(run_id: str, queue, stop):
         dht.shutdown()
 
 
-def _healthy_peer(impl: str, reuse_grad_buffers: bool, initial_peers, queue):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
-    direction = torch.randn(2, 3, generator=torch.Generator().manual_seed(10))  # d(loss)/d(weight)
-    dht = hivemind.DHT(start=True, initial_peers=initial_peers)
+def _make_optimizer(impl: str, model, reuse_grad_buffers: bool, dht, **kwargs):
     optimizer_cls = hivemind.Optimizer if impl == "upstream" else hivemind_accum.Optimizer
-    opt = optimizer_cls(
+    return optimizer_cls(
         dht=dht, run_id=f"faults_{impl}", params=model.parameters(),
         optimizer=lambda params: torch.optim.SGD(params, lr=1.0), target_batch_size=MICRO_STEPS * BATCH,
         batch_size_per_step=BATCH, reuse_grad_buffers=reuse_grad_buffers, matchmaking_time=MATCHMAKING_TIME,
         averaging_timeout=AVERAGING_TIMEOUT, tracker_opts=dict(max_refresh_period=2.0),
         average_state_every=10**6,  # no parameter averaging: each epoch's move is the gradient step alone
+        **kwargs,
     )
+
+
+def _healthy_peer(impl: str, reuse_grad_buffers: bool, initial_peers, queue):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    direction = torch.randn(2, 3, generator=torch.Generator().manual_seed(10))  # d(loss)/d(weight)
+    dht = hivemind.DHT(start=True, initial_peers=initial_peers)
+    opt = _make_optimizer(impl, model, reuse_grad_buffers, dht)
     events = dict(began=False, fallback=False, download=False)
     opt.grad_averager.step = _flagging(opt.grad_averager.step, events, "began")  # resets the accumulators
     opt._load_local_gradients_into_optimizer = _flagging(opt._load_local_gradients_into_optimizer, events, "fallback")
@@ -78,11 +83,7 @@ def _healthy_peer(impl: str, reuse_grad_buffers: bool, initial_peers, queue):
 
     epochs = []  # per epoch: (the move of the step that ended it, what happened in that step)
     try:
-        micro_step()  # this peer's first progress report; then wait until its tracker has read both peers' records
-        deadline = time.monotonic() + 60
-        while opt.tracker.global_progress.num_peers < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        peers_seen = opt.tracker.global_progress.num_peers
+        peers_seen = _report_and_see_both_peers(opt, micro_step)
         deadline = time.monotonic() + 90
         while peers_seen == 2 and len(epochs) < EPOCHS and time.monotonic() < deadline:
             before, epoch = model.weight.detach().clone(), opt.local_epoch
@@ -90,10 +91,75 @@ def _healthy_peer(impl: str, reuse_grad_buffers: bool, initial_peers, queue):
             micro_step()
             if opt.local_epoch != epoch:
                 epochs.append((model.weight.detach() - before, dict(events)))
-        send_by_value(queue, (peers_seen, epochs, direction))
+        send_by_value(queue, (peers_seen, epochs, direction, _fallback_host_bytes(opt)))
     finally:
         opt.shutdown()
         dht.shutdown()
+
+
+def _delayed_healthy_peer(impl: str, reuse_grad_buffers: bool, initial_peers, queue):
+    """as ``_healthy_peer`` with ``delay_grad_averaging=True``: each epoch's round runs (and fails) in the background
+    while this peer's next epoch accumulates; micro-step ``j`` has gradient ``(j + 1) * direction``, so every
+    epoch's mean gradient is distinct and an optimizer step that used another epoch's micro-steps shows"""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2, bias=False)
+    direction = torch.randn(2, 3, generator=torch.Generator().manual_seed(10))
+    dht = hivemind.DHT(start=True, initial_peers=initial_peers)
+    opt = _make_optimizer(impl, model, reuse_grad_buffers, dht, delay_grad_averaging=True, delay_optimizer_step=True)
+    counts = dict(began=0, fallback=0, download=0)
+    opt.grad_averager.step = _counting(opt.grad_averager.step, counts, "began")
+    opt._load_local_gradients_into_optimizer = _counting(opt._load_local_gradients_into_optimizer, counts, "fallback")
+    opt.load_state_from_peers = _counting(opt.load_state_from_peers, counts, "download")
+    scales_per_epoch = {}  # local epoch -> the gradient scales of the micro-steps accumulated in it
+
+    def micro_step():
+        if not reuse_grad_buffers:
+            opt.zero_grad()
+        scale = float(sum(map(len, scales_per_epoch.values())) + 1)
+        scales_per_epoch.setdefault(opt.local_epoch, []).append(scale)
+        (scale * model.weight * direction).sum().backward()
+        opt.step()
+
+    try:
+        peers_seen = _report_and_see_both_peers(opt, micro_step)
+        opt.state_averager.step(wait_for_delayed_updates=True)  # an epoch that ended before that is stepped now
+        first_epoch, initial = opt.local_epoch, model.weight.detach().clone()
+        counts.update(began=0, fallback=0, download=0)
+        deadline = time.monotonic() + 90
+        while peers_seen == 2 and opt.local_epoch < first_epoch + EPOCHS and time.monotonic() < deadline:
+            micro_step()
+        opt.state_averager.step(wait_for_delayed_updates=True)  # the last epoch's round and step, then apply them
+        stepped_scales = [scales for epoch, scales in sorted(scales_per_epoch.items())
+                          if first_epoch <= epoch < opt.local_epoch]
+        send_by_value(queue, (peers_seen, opt.local_epoch - first_epoch, dict(counts), stepped_scales, initial,
+                              model.weight.detach().clone(), direction, _fallback_host_bytes(opt)))
+    finally:
+        opt.shutdown()
+        dht.shutdown()
+
+
+def _report_and_see_both_peers(opt, micro_step) -> int:
+    """this peer's first progress report (one micro-step), then wait until its tracker has read both peers' records;
+    returns the number of peers it sees"""
+    micro_step()
+    deadline = time.monotonic() + 60
+    while opt.tracker.global_progress.num_peers < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return opt.tracker.global_progress.num_peers
+
+
+def _fallback_host_bytes(opt):
+    """host memory this package's averager holds for failed-round fallbacks (None for upstream's averager)"""
+    fallback = getattr(opt.grad_averager, "local_fallback", None)
+    return None if fallback is None else fallback.host_bytes
+
+
+def _counting(method, counts: dict, name: str):
+    def wrapper(*args, **kwargs):
+        counts[name] += 1
+        return method(*args, **kwargs)
+
+    return wrapper
 
 
 def _flagging(method, events: dict, name: str):
@@ -104,14 +170,14 @@ def _flagging(method, events: dict, name: str):
     return wrapper
 
 
-def run_pair(impl: str, reuse_grad_buffers: bool = False):
+def run_pair(impl: str, reuse_grad_buffers: bool = False, peer=_healthy_peer):
     ctx = mp.get_context("fork")
     queue, stop = ctx.Queue(), ctx.Event()
     stalled = ctx.Process(target=_stalled_peer, args=(f"faults_{impl}", queue, stop))
     stalled.start()
     try:
         maddrs = receive_by_value(queue, timeout=60)
-        healthy = ctx.Process(target=_healthy_peer, args=(impl, reuse_grad_buffers, maddrs, queue))
+        healthy = ctx.Process(target=peer, args=(impl, reuse_grad_buffers, maddrs, queue))
         healthy.start()
         result = receive_by_value(queue, timeout=150)
         healthy.join(timeout=30)
@@ -121,7 +187,7 @@ def run_pair(impl: str, reuse_grad_buffers: bool = False):
         stalled.join(timeout=30)
 
 
-def assert_healthy_peer_used_local_gradients(peers_seen, epochs, direction):
+def assert_healthy_peer_used_local_gradients(peers_seen, epochs, direction, host_bytes=None):
     # the scenario (a plain failure if it did not happen, so that upstream's expected failure means what it says)
     if peers_seen != 2:
         pytest.fail(f"the healthy peer's tracker must see both peers before its epochs count, saw {peers_seen}")
@@ -138,7 +204,11 @@ def assert_healthy_peer_used_local_gradients(peers_seen, epochs, direction):
 @pytest.mark.forked
 @pytest.mark.parametrize("reuse_grad_buffers", [False, True])
 def test_failed_round_falls_back_to_local_gradients(reuse_grad_buffers):
-    assert_healthy_peer_used_local_gradients(*run_pair("ours", reuse_grad_buffers))
+    """without delay_grad_averaging no micro-step comes while a round runs: the fallback is the accumulators themselves,
+    no host memory is allocated for it"""
+    *result, host_bytes = run_pair("ours", reuse_grad_buffers)
+    assert_healthy_peer_used_local_gradients(*result)
+    assert host_bytes == 0
 
 
 @pytest.mark.forked
@@ -150,11 +220,12 @@ def test_upstream_loses_local_gradients_after_failed_round():
 
 
 @pytest.mark.forked
-@pytest.mark.parametrize("reuse_grad_buffers", [False, True])
-def test_failed_round_keeps_its_local_gradients_while_next_epoch_accumulates(dht, reuse_grad_buffers):
+@pytest.mark.parametrize("reuse_grad_buffers, zero_grad", [(False, True), (True, True), (True, False)])
+def test_failed_round_keeps_its_local_gradients_while_next_epoch_accumulates(dht, reuse_grad_buffers, zero_grad):
     """delay_grad_averaging: the round runs in the background while new micro-steps accumulate for the next epoch;
     when it fails, the fallback is the failed round's own local gradients (upstream would load the next epoch's
-    partial sum, or zeros), and the next epoch's micro-steps stay in the accumulators"""
+    partial sum, or zeros), and the next epoch's micro-steps stay in the accumulators. In place without zero_grad the
+    next backward adds straight into ``.grad``, still holding the round's gradients: they are moved out first"""
     model = torch.nn.Linear(3, 2, bias=False)
     averager = hivemind_accum.GradientAverager(
         model.parameters(), dht=dht, prefix="lonely", reuse_grad_buffers=reuse_grad_buffers, target_group_size=2,
@@ -166,8 +237,10 @@ def test_failed_round_keeps_its_local_gradients_while_next_epoch_accumulates(dht
             (scale * model.weight).sum().backward()
             averager.accumulate_grads_(batch_size=2)
         control = averager.step(wait=False, timeout=2.0)  # alone in the swarm: matchmaking fails after it began
-        model.zero_grad()
+        if zero_grad:
+            model.zero_grad()
         (10.0 * model.weight).sum().backward()  # round R + 1 begins meanwhile
+        torch.testing.assert_close(model.weight.grad, torch.full((2, 3), 10.0))
         averager.accumulate_grads_(batch_size=2)
         with pytest.raises(Exception):
             control.result(timeout=30)
@@ -179,3 +252,37 @@ def test_failed_round_keeps_its_local_gradients_while_next_epoch_accumulates(dht
         averager.load_accumulators_into_averager_()  # the next round loads round R + 1 alone
         with averager.get_tensors() as (averaged,):
             torch.testing.assert_close(averaged, torch.full((2, 3), 10.0))
+
+
+def assert_each_epoch_stepped_with_its_own_gradients(
+    peers_seen, epochs, counts, stepped_scales, initial, weight, direction, host_bytes=None
+):
+    if peers_seen != 2:
+        pytest.fail(f"the healthy peer's tracker must see both peers before its epochs count, saw {peers_seen}")
+    if epochs != EPOCHS or counts != dict(began=EPOCHS, fallback=EPOCHS, download=0):
+        pytest.fail(f"every one of {EPOCHS} epochs must begin a round that fails, got {epochs} epochs, {counts}")
+    # the check: the step of epoch e is SGD(lr=1) by the mean gradient of epoch e's own micro-steps, each micro-step
+    # counted in exactly one epoch
+    expected = initial - sum(sum(scales) / len(scales) for scales in stepped_scales) * direction
+    torch.testing.assert_close(weight, expected)
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True])
+def test_delayed_failed_round_steps_with_its_own_epoch(reuse_grad_buffers):
+    """delay_grad_averaging=True, every round fails while the next epoch accumulates: each epoch's step uses exactly
+    that epoch's micro-steps, kept for the fallback in one host copy of the gradients (float32 here)"""
+    *result, host_bytes = run_pair("ours", reuse_grad_buffers, _delayed_healthy_peer)
+    assert_each_epoch_stepped_with_its_own_gradients(*result)
+    assert host_bytes == 2 * 3 * 4
+
+
+@pytest.mark.forked
+@pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="upstream hivemind 1.1.12 with delay_grad_averaging steps a failed round with the next epoch's partial "
+    "accumulation, which it then averages again in the next round (a micro-batch counted in two epochs)",
+)
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True])
+def test_upstream_delayed_failed_round_counts_next_epoch_twice(reuse_grad_buffers):
+    assert_each_epoch_stepped_with_its_own_gradients(*run_pair("upstream", reuse_grad_buffers, _delayed_healthy_peer))

@@ -12,6 +12,7 @@ How a gradient travels, in three files:
    ``1 / micro_steps``, into the averager's shared CPU buffers in one bulk op per bucket; upstream's
    :class:`hivemind.averaging.DecentralizedAverager` all-reduces those buffers with peers.
 """
+import contextlib
 import numbers
 import operator
 import warnings
@@ -25,6 +26,7 @@ from hivemind.optim import grad_averager as upstream
 from hivemind.utils import get_logger
 
 from hivemind_accum.optim.grad_buckets import LOW_PRECISION, GradientBuckets
+from hivemind_accum.optim.local_fallback import LocalFallback
 from hivemind_accum.optim.round_guard import RoundGuard
 
 logger = get_logger(__name__)
@@ -128,11 +130,10 @@ class GradientAverager(upstream.GradientAverager):
         else:
             self._averaged_buckets = GradientBuckets(self.parameters, device="cpu", share_memory=True, upcast=True)
             averaged_grads = self._averaged_buckets.views
-        # this round's local gradients (as loaded into the averager), kept on the host until the round's result is
-        # used: if the all-reduce fails after the accumulators were reset, the optimizer falls back to these;
-        # allocated at the first round
-        self._local_fallback: Optional[GradientBuckets] = None
-        self._fallback_pending = False
+        # the latest round's local gradients, kept (in the accumulators, or on the host if micro-steps of the next
+        # epoch arrive before the round is settled) until its result is used: a failed round falls back to them
+        self.local_fallback = LocalFallback(self._accumulators, self.parameters, in_place=reuse_grad_buffers)
+        self._loaded_scale = 0.0
         # checks this peer's gradients once per round, as they are loaded: non-finite ones reach peers as zeros with
         # weight 0 (round_guard.own_finite then tells the optimizer to skip its step)
         self.round_guard = RoundGuard("accumulated gradients")
@@ -221,6 +222,8 @@ class GradientAverager(upstream.GradientAverager):
                 "call .reset_accumulated_grads_ after every step or use .step(reset_accumulators=True)"
             )
             self._accumulators_used_in_step = False  # warn once per round
+        if self.local_fallback.holding:  # the first micro-step after a round began: the accumulators start over
+            self.local_fallback.release_()
         if self._anchor_batch_size is None:
             self._anchor_batch_size = batch_size  # upstream's weighting: micro-step i counts b_i / b_0
         self.local_samples_accumulated += batch_size
@@ -273,17 +276,18 @@ class GradientAverager(upstream.GradientAverager):
     ):
         """
         Average accumulated gradients with peers, as upstream's ``GradientAverager.step`` (same parameters), with one
-        difference: before the accumulators are reset, this round's local gradients are kept on the host. If the
-        round then fails (the all-reduce raises or times out), the next ``load_accumulators_into_averager_`` (which
-        ``hivemind.Optimizer`` calls to "proceed with local gradients") restores them instead of loading the
-        already-reset accumulators, so the epoch's local work is not lost. Extra cost: one host copy per round.
+        difference: this round's local gradients are kept until the round is settled. If the round fails (the
+        all-reduce raises or times out), the next ``load_accumulators_into_averager_`` (which ``hivemind.Optimizer``
+        calls to "proceed with local gradients") loads them again, so the epoch's local work is not lost. They stay in
+        the accumulators (in place: in ``.grad``) until the round is settled (its result used or the fallback loaded);
+        a micro-step or ``reset_accumulated_grads_`` that comes earlier copies them to host memory first.
 
         If this peer's gradients hold inf or NaN, they are replaced by zeros and, with ``weight=None`` (the default, as
         ``hivemind.Optimizer`` calls it), the round's weight is 0: see ``load_accumulators_into_averager_``. An
         explicit ``weight`` is used as given.
         """
         self._check_running("step")
-        self._fallback_pending = False
+        self.local_fallback.drop_()  # a new round: the previous one's local gradients are no longer a fallback
         return super().step(
             weight=weight, reset_accumulators=reset_accumulators, control=control, timeout=timeout, wait=wait, **kwargs
         )
@@ -303,9 +307,9 @@ class GradientAverager(upstream.GradientAverager):
 
     @torch.no_grad()
     def reset_accumulated_grads_(self):
-        """reset the accumulators (one ``zero_`` per bucket) and the micro-step counters"""
-        if self._accumulators_used_in_step and self.keep_local_fallback:
-            self._save_local_fallback()  # called by step(): the round's local gradients are in the averager
+        """reset the micro-step counters and the accumulators (one ``zero_`` per bucket); called by ``step`` right after
+        it loaded them, keep them as they are until the round is settled (see :meth:`step`)"""
+        handing_off = self._accumulators_used_in_step and self.keep_local_fallback
         self._accumulators_used_in_step = False
         self.local_samples_accumulated = self.local_times_accumulated = 0
         self._anchor_batch_size = None
@@ -316,14 +320,10 @@ class GradientAverager(upstream.GradientAverager):
         if self.reuse_grad_buffers:
             for param, view in zip(self.parameters, self._accumulators.views):
                 param.grad = view
-        self._accumulators.zero_()
-
-    def _save_local_fallback(self) -> None:
-        if self._local_fallback is None:
-            self._local_fallback = GradientBuckets(self.parameters, device="cpu", upcast=True)
-        with self.get_tensors() as averaged_grads:  # once per round: one fused copy, whatever the buffers' layout
-            torch._foreach_copy_(list(self._local_fallback.views), list(averaged_grads))
-        self._fallback_pending = True
+        if handing_off:
+            self.local_fallback.hand_off_(self._loaded_scale, finite=self.round_guard.own_finite)
+        else:
+            self.local_fallback.release_()
 
     @torch.no_grad()
     def load_accumulators_into_averager_(self):
@@ -338,17 +338,18 @@ class GradientAverager(upstream.GradientAverager):
         with weight 0 and peers receive nothing of this peer's) and ``round_guard.own_finite`` to False, which
         :class:`hivemind_accum.Optimizer` reads to skip this epoch's optimizer step.
         """
-        if self._fallback_pending:
-            logger.info("Averaging round was not used: loading this round's local gradients, kept since step()")
-            self._fallback_pending = False
-            with self.get_tensors() as averaged_grads:
-                self._local_fallback.scaled_copy_to_(self._averaged_target(averaged_grads), 1.0)
-            return
+        with self.get_tensors() as averaged_grads:
+            if self.local_fallback.load_into_(self._averaged_target(averaged_grads)):
+                logger.info("Averaging round was not used: loaded this round's local gradients again")
+                return
+        if self.local_fallback.holding:  # a round began since the last micro-step: there is nothing new to load
+            self.local_fallback.release_()
         if self.reuse_grad_buffers:
             self._attach_grads_()
         self._settle_dropped_micro_steps()
         times = self.local_times_accumulated
         grad_scale = (self._anchor_correction / times) if times != 0 else 0.0
+        self._loaded_scale = grad_scale
         with self.get_tensors() as averaged_grads:
             self._accumulators.scaled_copy_to_(self._averaged_target(averaged_grads), grad_scale)
             if not self.round_guard.offer_(self.flat_averaged_grads(averaged_grads)):
@@ -356,8 +357,15 @@ class GradientAverager(upstream.GradientAverager):
 
     def notify_used_averaged_gradients(self):
         """Notify averager that the results of a previous averaging round are accounted for"""
-        self._fallback_pending = False
+        self.local_fallback.settle_()
         super().notify_used_averaged_gradients()
+
+    @contextlib.contextmanager
+    def use_averaged_gradients(self):
+        """as upstream's: ``param.grad`` are the averaged gradients inside the block; the round counts as settled"""
+        self.local_fallback.settle_()
+        with super().use_averaged_gradients() as averaged_grads:
+            yield averaged_grads
 
     def flat_averaged_grads(self, averaged_grads: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """the averager's buffers (as given by ``get_tensors()``) as few tensors as possible, for one-pass checks: the
