@@ -242,3 +242,101 @@ def test_merge_refuses_what_it_cannot_carry():
         merge_module(UPSTREAM_MODULE, "from hivemind_accum.patch import patch_hivemind\n" + OUR_MODULE, "pkg.thing", [])
     with pytest.raises(MergeError, match="binds Base to"):
         merge_module(UPSTREAM_MODULE, textwrap.dedent("from other import Base\n") + OUR_MODULE, "pkg.thing", [])
+
+
+UPSTREAM_BOX = '''\
+import os
+
+
+class Box:
+    def __init__(self, *, size: int, name: str = "box"):
+        self.size, self.name = size, name
+
+    def grow(self, by: int, scale=None):
+        """grow the box"""
+        if scale is not None:
+            by = by * scale
+        self.size += by
+
+    def fingerprint(self):
+        return hash((self.size, os.sep))
+
+    def state(self):
+        """the state"""
+        size = self.size
+        name = self.name
+        return size, name
+
+    def load(self):
+        """load it"""
+        self.loaded = True
+'''
+
+OUR_BOX = '''\
+import inspect
+import threading
+
+from pkg import box as upstream
+
+
+class Box(upstream.Box):
+    def __init__(self, *args, size: int, **kwargs):
+        if args:
+            raise TypeError("keyword arguments only")
+        if size < 0:
+            raise ValueError("size")
+        super().__init__(size=size, **kwargs)
+        self.lock = threading.Lock()
+
+    __init__.__signature__ = inspect.signature(upstream.Box.__init__)
+
+    def grow(self, by: int, scale=None):
+        if scale is not None:
+            by = by * scale * 2
+        return super().grow(by, None)
+
+    def fingerprint(self):
+        """read under the lock"""
+        with self.lock:
+            return super().fingerprint()
+
+    def state(self):
+        s, n = super().state()
+        if s < 0:
+            raise RuntimeError("negative")
+        return s, n
+
+    def load(self):
+        if getattr(self, "checked", False):
+            return None
+        self._load_checked()
+
+    def _load_checked(self):
+        self.checked = True
+        super().load()
+'''
+
+
+def test_merge_inlines_wrappers_into_the_methods_they_wrap():
+    merged = merge_module(UPSTREAM_BOX, OUR_BOX, "pkg.box", carried=[], notes=(notes := []))
+    assert "_base_" not in merged and not notes
+    assert "import inspect" not in merged and "__signature__" not in merged  # inlined: upstream's signature itself
+    assert "import threading\n" in merged and "if args" not in merged  # the keyword-only signature raises TypeError
+    assert 'def __init__(self, *, size: int, name: str = "box"):' in merged
+    assert merged.index('raise ValueError("size")') < merged.index("self.size, self.name") < merged.index("self.lock =")
+    # grow passes scale=None: our handling replaces upstream's leading `if scale is not None:` block
+    assert "by = by * scale * 2" in merged and "by = by * scale\n" not in merged and '"""grow the box"""' in merged
+    assert '"""read under the lock"""\n        with self.lock:\n            return hash((self.size, os.sep))' in merged
+    assert "        if size < 0:\n" in merged and merged.count("return size, name") == 1  # our names -> upstream's
+    assert 'def _load_checked(self):\n        """load it"""\n        self.checked = True\n        self.loaded = True' in merged
+    namespace = {}
+    exec(compile(merged, "merged", "exec"), namespace)
+    box = namespace["Box"](size=2)
+    box.grow(1, 3)
+    assert (box.size, box.state(), box.fingerprint()) == (8, (8, "box"), hash((8, os.sep)))
+    box.load()
+    assert box.loaded and box.checked
+    with pytest.raises(TypeError):
+        namespace["Box"](2)
+    with pytest.raises(ValueError, match="size"):
+        namespace["Box"](size=-1)
