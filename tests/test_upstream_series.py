@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hivemind_accum.upstream import GenerationError, carried_modules, generate, installed_hivemind
-from hivemind_accum.upstream.fixes import FIXES
+from hivemind_accum.upstream.fixes import CHANGES, FIXES
 from hivemind_accum.upstream.merge import MergeError, merge_module
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,8 +39,9 @@ PATCH_CHECKS = {
 }
 FIX_CHECKS = {
     "client mode": "client_mode", "__del__": "failed_constructor", "ValueError": "client_mode_with_auxiliary",
-    "GradScaler": "disabled_grad_scaler",
+    "GradScaler": "disabled_grad_scaler", "batch_size_per_step and duplicate parameters": "constructor_checks",
 }
+SERIES_LENGTH = len(FIXES) + len(CARRIED) + len(CHANGES)  # defect fixes, one commit per module, later changes
 
 
 def _files(root: Path) -> set:
@@ -145,7 +146,7 @@ def _apply(patch: Path, root: Path) -> None:
 def test_series_applies_in_order_to_a_pristine_copy(series, patches, tmp_path):
     shutil.copytree(installed_hivemind(), tmp_path / "hivemind", ignore=shutil.ignore_patterns("__pycache__"))
     assert {"optim/grad_buckets.py", "optim/grad_averager.py", "optim/optimizer.py"} <= CARRIED
-    assert len(patches) == len(CARRIED) + len(FIXES)
+    assert len(patches) == SERIES_LENGTH
     assert [p.name[:5] for p in patches] == [f"{n:04d}-" for n in range(1, len(patches) + 1)]
     for patch in patches:
         _apply(patch, tmp_path)
@@ -176,7 +177,7 @@ def test_series_applies_with_git_am(series, patches, tmp_path):
 
 
 def _claims(path: str, subject: str) -> list:
-    if subject not in {fix.subject for fix in FIXES}:
+    if subject not in {fix.subject for fix in FIXES} | {change.subject for change in CHANGES}:
         return PATCH_CHECKS.get(path, [])
     return [check for words, check in FIX_CHECKS.items() if words in subject]
 
@@ -277,24 +278,32 @@ def _claim_disabled_grad_scaler(patched):
     assert patched["disabled_scaler_update"] is False
 
 
+def _claim_constructor_checks(patched):
+    assert patched["constructor_checks"] == dict(zero_batch_size="ValueError", duplicate_parameter="ValueError")
+
+
 CLAIMS = {
     "imports": _claim_imports, "exact_mode": _claim_exact_mode, "in_place_mode": _claim_in_place_mode,
     "no_sync_accumulation": _claim_no_sync_accumulation, "no_sync_step": _claim_no_sync_step,
     "failed_round": _claim_failed_round, "client_mode": _claim_client_mode,
     "failed_constructor": _claim_failed_constructor, "client_mode_with_auxiliary": _claim_client_mode_with_auxiliary,
-    "disabled_grad_scaler": _claim_disabled_grad_scaler,
+    "disabled_grad_scaler": _claim_disabled_grad_scaler, "constructor_checks": _claim_constructor_checks,
 }
 
 
 def test_defects_are_fixed_at_their_place(behaviour):
     patched, upstream = behaviour["patched"], behaviour["upstream"]
-    for claim in _claim_client_mode, _claim_failed_constructor, _claim_client_mode_with_auxiliary, _claim_disabled_grad_scaler:
+    for claim in (
+        _claim_client_mode, _claim_failed_constructor, _claim_client_mode_with_auxiliary, _claim_disabled_grad_scaler,
+        _claim_constructor_checks,
+    ):
         claim(patched)
     # hivemind 1.1.12: an explicit client_mode replaced by the DHT's (so client_mode with auxiliary passes unseen),
     # an AttributeError from __del__ after a failed constructor, update() of a disabled scaler raising
     assert upstream["explicit_client_mode"] is False and upstream["client_mode_with_auxiliary"] is None
     assert any("_parent_pid" in error for error in upstream["unraisable_after_failed_constructor"])
     assert "_per_optimizer_states" in upstream["disabled_scaler_update"]
+    assert upstream["constructor_checks"]["zero_batch_size"] is None  # upstream fails at the first step()
 
 
 def test_exact_mode_equals_upstream(behaviour):
@@ -554,4 +563,23 @@ def test_generates_from_a_hivemind_source_tree_of_another_version(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "patched hivemind 1.2.0.dev0" in run.stdout and "git -C" in run.stdout
     assert not (out / "pyproject.toml").exists()
-    assert len(list((out / "patches").glob("*.patch"))) == len(CARRIED) + len(FIXES)
+    assert len(list((out / "patches").glob("*.patch"))) == SERIES_LENGTH
+
+
+def test_defect_fixes_match_exactly_and_leave_out_the_workaround():
+    from hivemind_accum.upstream.fixes import Fix, FixError, apply_fix, omit_workarounds
+
+    fix = Fix(
+        path="m.py", old="    x = a if a is None else b\n", new="    x = a if a is not None else b\n", subject="s",
+        why="w", omit=("C.f", "self.k = x"),
+    )
+    text = "def g(a, b):\n    x = a if a is None else b\n"
+    fixed = apply_fix(text, fix)
+    assert fixed == "def g(a, b):\n    x = a if a is not None else b\n"
+    assert apply_fix(fixed, fix) == fixed  # a hivemind that has the fix already
+    with pytest.raises(FixError, match="exactly once"):
+        apply_fix("def g():\n    pass\n", fix)
+    ours = "class C:\n    def __init__(self, x):\n        # kept aside\n        self.k = x\n        self.y = x\n\n    def f(self):\n        return 1\n"
+    assert omit_workarounds(ours, [fix], "ours") == "class C:\n    def __init__(self, x):\n        self.y = x\n\n"
+    with pytest.raises(FixError, match="is not in the module"):
+        omit_workarounds("class C:\n    pass\n", [fix], "ours")

@@ -188,6 +188,26 @@ def client_mode_with_auxiliary(dht) -> dict:
     return dict(client_mode_with_auxiliary=None)
 
 
+def constructor_checks(dht) -> dict:
+    """the errors for ``batch_size_per_step=0`` and for a parameter listed twice (None: the optimizer was built)"""
+    param = torch.nn.Parameter(torch.zeros(2))
+    found = {}
+    for name, kwargs in ("zero_batch_size", dict(batch_size_per_step=0, params=[param])), (
+        "duplicate_parameter", dict(batch_size_per_step=2, params=[param, param])
+    ):
+        try:
+            opt = hivemind.Optimizer(
+                dht=dht, run_id=f"checks_{name}", optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                target_batch_size=10**9, tracker_opts=SINGLE_PEER_TRACKER, **kwargs,
+            )
+        except Exception as e:
+            found[name] = type(e).__name__
+            continue
+        opt.shutdown()
+        found[name] = None
+    return dict(constructor_checks=found)
+
+
 def disabled_grad_scaler(dht) -> dict:
     """what ``update()`` of a disabled ``hivemind.GradScaler`` returns, or the error it raises"""
     scaler = hivemind.GradScaler(enabled=False)
@@ -216,7 +236,7 @@ CHECKS = {
     check.__name__: check
     for check in (
         exact_mode, in_place_mode, no_sync_accumulation, no_sync_step, failed_round, client_mode, failed_constructor,
-        client_mode_with_auxiliary, disabled_grad_scaler, imports,
+        client_mode_with_auxiliary, disabled_grad_scaler, constructor_checks, imports,
     )
 }
 

@@ -18,7 +18,7 @@ from email.parser import Parser
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from hivemind_accum.upstream.fixes import FIXES, FixError, apply_fix, omit_workarounds
+from hivemind_accum.upstream.fixes import CHANGES, FIXES, FixError, apply_fix, omit_workarounds
 from hivemind_accum.upstream.merge import UPSTREAM_PACKAGE, MergeError, merge_module, rewrite_new_module
 
 SUPPORTED_VERSION = "1.1.12"  # the hivemind version whose source the merge was tested against
@@ -85,6 +85,7 @@ def build_patches(upstream_dir: Path) -> List[ModulePatch]:
         texts[path] = after
     patches: Dict[str, ModulePatch] = {}
     notes: Dict[str, List[str]] = {}
+    later: List[ModulePatch] = []  # CHANGES, each a commit after its module's
     for name in carried:
         label = f"hivemind_accum/optim/{name}.py"
         path = f"{UPSTREAM_PACKAGE}/optim/{name}.py"
@@ -92,21 +93,27 @@ def build_patches(upstream_dir: Path) -> List[ModulePatch]:
         try:
             fixes = [fix for fix in FIXES if fix.module == name]
             ours = omit_workarounds((OUR_OPTIM / f"{name}.py").read_text(), fixes, label)
+            changes = [change for change in CHANGES if change.module == name]
+            states = [omit_workarounds(ours, changes[i:], label) for i in range(len(changes))] + [ours]
             if upstream_file.exists():
                 before = texts[path] if path in texts else upstream_file.read_text()
                 notes[name] = []
-                after = merge_module(before, ours, f"{UPSTREAM_PACKAGE}.optim.{name}", carried, label, notes[name])
+                module = f"{UPSTREAM_PACKAGE}.optim.{name}"
+                merged = [merge_module(before, state, module, carried, label, []) for state in states[:-1]]
+                merged.append(merge_module(before, ours, module, carried, label, notes[name]))
             else:
-                before, after = None, rewrite_new_module(ours, carried, label)
+                before, merged = None, [rewrite_new_module(state, carried, label) for state in states]
         except (MergeError, FixError) as e:
             raise GenerationError(f"cannot carry {label} upstream: {e}") from e
-        patches[name] = ModulePatch(path, before, after)
+        patches[name] = ModulePatch(path, before, merged[0])
+        for change, previous, after in zip(changes, merged, merged[1:]):
+            later.append(ModulePatch(path, previous, after, change.subject, _wrap(change.why) + "\n"))
     sections = _upstream_md_sections()
     for name, patch in patches.items():
         patch.subject, patch.body = _commit_message(
             patch, (OUR_OPTIM / f"{name}.py").read_text(), sections, notes.get(name, [])
         )
-    return fix_patches + [patches[name] for name in _dependency_order(patches)]
+    return fix_patches + [patches[name] for name in _dependency_order(patches)] + later
 
 
 def source_package(source: Path) -> Path:

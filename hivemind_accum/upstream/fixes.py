@@ -1,5 +1,6 @@
 """
-Defects of hivemind 1.1.12 that this package works around, and how the generated tree fixes each at its place.
+Defects of hivemind 1.1.12 that this package works around, and how the generated tree fixes each at its place;
+and changes of a module that the series carries as commits of their own (:data:`CHANGES`).
 
 The package cannot change hivemind's code, so it works around a defect from its subclass (an overridden method, a
 value kept aside); the generated tree needs no workaround: the series fixes the defect where it is, in its own
@@ -94,8 +95,38 @@ FIXES: Sequence[Fix] = (
 )
 
 
-def fixes_for(path: str) -> Sequence[Fix]:
-    return [fix for fix in FIXES if fix.path == path]
+@dataclass(frozen=True)
+class Change:
+    """a change of one of our modules that the series carries as a commit of its own, after the module's commit:
+    the module's commit is merged without ``omit``, this commit adds it"""
+
+    module: str  # our module, e.g. "optimizer"
+    subject: str
+    why: str
+    omit: Tuple[str, ...]  # as Fix.omit; "Class.method.__doc__" names a method's docstring, "name" a function
+
+
+CHANGES: Sequence[Change] = (
+    Change(
+        module="optimizer",
+        subject="Optimizer: check batch_size_per_step and duplicate parameters before anything starts",
+        why=(
+            "A batch_size_per_step that is not a positive int or None is a ValueError at construction (it failed at "
+            "the first step()); a parameter listed twice in params (or in the optimizer's param_groups) is a "
+            "ValueError naming both positions, raised before the progress tracker and averagers start (it was an "
+            "AssertionError from the state averager, after they started). One-pass iterators inside param groups "
+            "are read once."
+        ),
+        omit=(
+            "Optimizer.__init__.__doc__",
+            "if batch_size_per_step is not None and not is_positive_int(batch_size_per_step):",
+            "if params is not None:",
+            "check_distinct(named)",
+            "_named_params",
+            "_params_as_lists",
+        ),
+    ),
+)
 
 
 def apply_fix(text: str, fix: Fix, ours: str = "") -> str:
@@ -117,10 +148,10 @@ def omit_workarounds(ours: str, fixes: Sequence[Fix], name: str) -> str:
     lines = ours.splitlines(keepends=True)
     spans = []
     for fix in fixes:
-        for item in fix.omit + ((fix.moved,) if fix.moved else ()):
+        for item in fix.omit + ((getattr(fix, "moved", None),) if getattr(fix, "moved", None) else ()):
             node = _find(tree, item)
             if node is None:
-                raise FixError(f"{name}: {item!r} (the workaround for '{fix.subject}') is not in the module")
+                raise FixError(f"{name}: {item!r} (left out for '{fix.subject}') is not in the module")
             spans.append(_span(lines, node))
     for start, end in sorted(spans, reverse=True):
         del lines[start:end]
@@ -128,14 +159,22 @@ def omit_workarounds(ours: str, fixes: Sequence[Fix], name: str) -> str:
 
 
 def _find(tree: ast.Module, item: str) -> Optional[ast.AST]:
-    if "." in item and item.replace(".", "").replace("_", "").isalnum():
-        class_name, method = item.split(".")
+    if item.replace(".", "").replace("_", "").isalnum():  # Class.method, Class.method.__doc__ or a function
+        if "." not in item:
+            return next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == item), None)
+        class_name, method, *doc = item.split(".")
         for node in tree.body:
             if isinstance(node, ast.ClassDef) and node.name == class_name:
-                return next((n for n in node.body if getattr(n, "name", None) == method), None)
+                found = next((n for n in node.body if getattr(n, "name", None) == method), None)
+                if found is not None and doc == ["__doc__"]:
+                    body = found.body
+                    is_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
+                    return body[0] if is_doc and isinstance(body[0].value.value, str) else None
+                return found
         return None
     header = item.endswith(":")  # a compound statement, named by its first line
-    wanted = item if header else ast.unparse(ast.parse(textwrap.dedent(item)))
+    wanted = ast.unparse(ast.parse(textwrap.dedent(item) + ("\n    pass" if header else "")))
+    wanted = wanted.splitlines()[0] if header else wanted
     for node in ast.walk(tree):
         if isinstance(node, ast.stmt) and not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             text = ast.unparse(node)
