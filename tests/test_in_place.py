@@ -85,7 +85,7 @@ def test_in_place_two_peers_average_sample_weighted():
             for model, dht in zip(models, dhts)
         ]
         with shutting_down(*averagers):
-            local, weights = [], []
+            local, weights, averager_micro_steps = [], [], []
             for peer, (model, averager) in enumerate(zip(models, averagers)):
                 reference = copy.deepcopy(model)
                 generator = torch.Generator().manual_seed(peer)
@@ -99,6 +99,7 @@ def test_in_place_two_peers_average_sample_weighted():
                 for x, y in batches:
                     F.mse_loss(reference(x), y).backward()
                 local.append([p.grad / len(batches) for p in reference.parameters()])
+                averager_micro_steps.append(len(batches))
                 weights.append(averager.local_samples_accumulated)
             assert weights == [2 * 3, 3 * 5]
             controls = [averager.step(wait=False, timeout=30) for averager in averagers]
@@ -109,6 +110,10 @@ def test_in_place_two_peers_average_sample_weighted():
                     for param, exp in zip(model.parameters(), expected, strict=True):
                         torch.testing.assert_close(param.grad, exp)
                 assert all(p.grad is v for p, v in zip(model.parameters(), averager._grad_accumulators()))
+                # the round's local sum stays in .grad (its failed-round fallback) until the round is settled
+                for param, own in zip(model.parameters(), local[models.index(model)], strict=True):
+                    torch.testing.assert_close(param.grad, own * averager_micro_steps[models.index(model)])
+                averager.notify_used_averaged_gradients()
                 assert all(v.count_nonzero() == 0 for v in averager._grad_accumulators())
 
 

@@ -3,8 +3,12 @@ Behaviour checks run against a hivemind package in a subprocess by tests/test_up
 generated (patched) hivemind first on PYTHONPATH, once with the installed upstream hivemind. Only plain hivemind classes
 are used (``hivemind.Optimizer``, ``hivemind.optim.grad_averager.GradientAverager``), never this project's package.
 
-Usage: ``python tests/upstream_checks.py RESULTS_FILE``; writes a dict of tensors and counts with ``torch.save``.
+Usage: ``python tests/upstream_checks.py RESULTS_FILE [CHECK ...]`` (default: every check in ``CHECKS``); writes a
+dict of tensors and counts with ``torch.save``.
 """
+import gc
+import importlib
+import importlib.util
 import os
 import sys
 import traceback
@@ -136,12 +140,113 @@ def failed_round(dht) -> dict:
         averager.shutdown()
 
 
-def main(path: str) -> None:
+def _optimizer(dht, batch_size_per_step=2, **kwargs) -> hivemind.Optimizer:
+    model = torch.nn.Linear(3, 1)
+    return hivemind.Optimizer(
+        dht=dht, run_id="checks", params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        target_batch_size=10**9, batch_size_per_step=batch_size_per_step, tracker_opts=SINGLE_PEER_TRACKER, **kwargs,
+    )
+
+
+def client_mode(dht) -> dict:
+    """``client_mode=True`` given explicitly to an optimizer whose DHT is a full peer: kept, or replaced by the DHT's"""
+    opt = _optimizer(dht, client_mode=True)
+    try:
+        return dict(explicit_client_mode=opt.client_mode, averager_client_mode=opt.grad_averager.client_mode)
+    finally:
+        opt.shutdown()
+
+
+def failed_constructor(dht) -> dict:
+    """what a constructor that raises leaves behind: errors printed by __del__ (``sys.unraisablehook``)"""
+    unraisable = []
+
+    def hook(info) -> None:  # only the optimizer's own: other checks' garbage may be collected here too
+        if "Optimizer" in getattr(info.object, "__qualname__", ""):
+            unraisable.append(repr(info.exc_value))
+
+    gc.collect()
+    previous, sys.unraisablehook = sys.unraisablehook, hook
+    try:
+        try:
+            hivemind.Optimizer(dht)
+        except TypeError:
+            pass
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
+    return dict(unraisable_after_failed_constructor=unraisable)
+
+
+def client_mode_with_auxiliary(dht) -> dict:
+    """the error for ``client_mode=True, auxiliary=True`` (None: the optimizer was built)"""
+    try:
+        opt = _optimizer(dht, client_mode=True, auxiliary=True, batch_size_per_step=None)
+    except Exception as e:
+        return dict(client_mode_with_auxiliary=type(e).__name__)
+    opt.shutdown()
+    return dict(client_mode_with_auxiliary=None)
+
+
+def constructor_checks(dht) -> dict:
+    """the errors for ``batch_size_per_step=0`` and for a parameter listed twice (None: the optimizer was built)"""
+    param = torch.nn.Parameter(torch.zeros(2))
+    found = {}
+    for name, kwargs in ("zero_batch_size", dict(batch_size_per_step=0, params=[param])), (
+        "duplicate_parameter", dict(batch_size_per_step=2, params=[param, param])
+    ):
+        try:
+            opt = hivemind.Optimizer(
+                dht=dht, run_id=f"checks_{name}", optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                target_batch_size=10**9, tracker_opts=SINGLE_PEER_TRACKER, **kwargs,
+            )
+        except Exception as e:
+            found[name] = type(e).__name__
+            continue
+        opt.shutdown()
+        found[name] = None
+    return dict(constructor_checks=found)
+
+
+def disabled_grad_scaler(dht) -> dict:
+    """what ``update()`` of a disabled ``hivemind.GradScaler`` returns, or the error it raises"""
+    scaler = hivemind.GradScaler(enabled=False)
+    try:
+        return dict(disabled_scaler_update=scaler.update())
+    except AttributeError as e:
+        return dict(disabled_scaler_update=repr(e))
+
+
+def imports(dht) -> dict:
+    """each module of ``hivemind.optim`` that the series adds or changes, if present: its file, or the error that
+    importing it raised (a series' first patches add modules that nothing imports yet)"""
+    names = ("grad_buckets", "round_guard", "grad_averager", "power_sgd_averager", "state_averager", "optimizer")
+    found = {}
+    for name in names:
+        if importlib.util.find_spec(f"hivemind.optim.{name}") is None:
+            continue
+        try:
+            found[name] = importlib.import_module(f"hivemind.optim.{name}").__file__
+        except Exception as e:
+            found[name] = f"error: {e!r}"
+    return dict(imports=found)
+
+
+CHECKS = {
+    check.__name__: check
+    for check in (
+        exact_mode, in_place_mode, no_sync_accumulation, no_sync_step, failed_round, client_mode, failed_constructor,
+        client_mode_with_auxiliary, disabled_grad_scaler, constructor_checks, imports,
+    )
+}
+
+
+def main(path: str, names=()) -> None:
     dht = hivemind.DHT(start=True)
     try:
         results = dict(hivemind_file=hivemind.__file__)
-        for check in exact_mode, in_place_mode, no_sync_accumulation, no_sync_step, failed_round:
-            results.update(check(dht))
+        for name in names or CHECKS:
+            results.update(CHECKS[name](dht))
         results["imported_hivemind_accum"] = any(name.startswith("hivemind_accum") for name in sys.modules)
         torch.save(results, path)
     finally:
@@ -150,7 +255,7 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1])
+        main(sys.argv[1], sys.argv[2:])
     except BaseException:
         traceback.print_exc()
         os._exit(1)  # a background thread of a half-built optimizer must not keep the process alive

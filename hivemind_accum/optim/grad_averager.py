@@ -12,7 +12,6 @@ How a gradient travels, in three files:
    ``1 / micro_steps``, into the averager's shared CPU buffers in one bulk op per bucket; upstream's
    :class:`hivemind.averaging.DecentralizedAverager` all-reduces those buffers with peers.
 """
-import contextlib
 import numbers
 import operator
 import warnings
@@ -115,13 +114,13 @@ class GradientAverager(upstream.GradientAverager):
         )
         # micro-steps dropped for inf/NaN gradients (accumulate_grads_ with inv_grad_scale), counted on the device
         # without a host sync and subtracted from the host counters when the accumulators are loaded
-        # and the batch size of the first micro-step kept (upstream weighs micro-step i by b_i / b_first: if the first
+        # and the batch size of the first micro-step kept (micro-step i weighs b_i / b_first: if the first
         # micro-step is dropped, the accumulators are rescaled once at load time, by _anchor_correction)
         self._drop_counters = torch.zeros(3, device=self._accumulators.buckets[0].flat.device)
         self._dropped_samples, self._dropped_micro_steps, self._first_kept_batch_size = self._drop_counters
         self._may_have_dropped = False
         self._anchor_correction = 1.0
-        self._local_accumulators = self._accumulators.views  # upstream's name, read by hivemind's own code
+        self._local_accumulators = self._accumulators.views  # the name hivemind's other classes read
         if reuse_grad_buffers:
             self._attach_grads_()
 
@@ -147,7 +146,7 @@ class GradientAverager(upstream.GradientAverager):
 
     def _grads_from_parameters(self) -> Iterator[torch.Tensor]:
         """shape and dtype of each averaged gradient (float32 for fp16/bf16 parameters) as meta tensors, for
-        subclasses that size their own buffers from it (PowerSGD); unlike upstream's, this never touches ``.grad``"""
+        subclasses that size their own buffers from it (PowerSGD); this never touches ``.grad``"""
         for param in self.parameters:
             yield torch.empty_like(param, device="meta", dtype=torch.float32 if param.dtype in LOW_PRECISION else None)
 
@@ -177,7 +176,7 @@ class GradientAverager(upstream.GradientAverager):
         """
         Add the current micro-step's gradients (``param.grad``) to the local accumulators.
 
-        Exact mode: one fused ``_foreach_add_`` per bucket, weighted by ``batch_size / first_batch_size`` as upstream;
+        Exact mode: one fused ``_foreach_add_`` per bucket, weighted by ``batch_size / first_batch_size``;
         parameters whose ``.grad`` is None contribute nothing.
 
         In-place mode: autograd has already accumulated into the views, so while every ``.grad`` is still its view
@@ -194,11 +193,10 @@ class GradientAverager(upstream.GradientAverager):
         samples are subtracted from ``local_times_accumulated`` and ``local_samples_accumulated`` (hence from the
         averaging weight) at the next ``load_accumulators_into_averager_``, which reads the dropped count on the host
         once per round; if the first micro-step was dropped, the batch-size weights are rebased there on the first one kept,
-        so the result equals upstream's fed only the kept micro-steps. On an accelerator the decision stays on the
+        so the result equals accumulating only the kept micro-steps. On an accelerator the decision stays on the
         device (no host-device synchronization here); when gradients and accumulators are all on the CPU it is read on
-        the host, where that costs nothing, with one read per micro-step and as many passes over memory as upstream
-        (:meth:`GradientBuckets.add_finite_`). The
-        gradients in ``.grad`` are left as they are.
+        the host, where that costs nothing, with one read per micro-step and as many passes over memory as unscaling,
+        then adding (:meth:`GradientBuckets.add_finite_`). The gradients in ``.grad`` are left as they are.
 
         :param batch_size: number of samples in this micro-batch, a positive integer
         :param inv_grad_scale: optional 0-dim float32 tensor on any device, ``1 / loss_scale`` of this micro-step's
@@ -216,7 +214,7 @@ class GradientAverager(upstream.GradientAverager):
                 "unscaled or dropped per micro-step; unscale the accumulated gradients once per round "
                 "(hivemind.GradScaler does) or use reuse_grad_buffers=False"
             )
-        if self._accumulators_used_in_step and self.warn:  # same warning as upstream's, once per round
+        if self._accumulators_used_in_step and self.warn:  # once per round
             logger.warning(
                 "[warn=True] Gradient accumulators were not reset since the last averaging round. Please "
                 "call .reset_accumulated_grads_ after every step or use .step(reset_accumulators=True)"
@@ -225,7 +223,7 @@ class GradientAverager(upstream.GradientAverager):
         if self.local_fallback.holding:  # the first micro-step after a round began: the accumulators start over
             self.local_fallback.release_()
         if self._anchor_batch_size is None:
-            self._anchor_batch_size = batch_size  # upstream's weighting: micro-step i counts b_i / b_0
+            self._anchor_batch_size = batch_size  # micro-step i counts b_i / b_0
         self.local_samples_accumulated += batch_size
         self.local_times_accumulated += 1
         if self.reuse_grad_buffers:
@@ -359,13 +357,6 @@ class GradientAverager(upstream.GradientAverager):
         """Notify averager that the results of a previous averaging round are accounted for"""
         self.local_fallback.settle_()
         super().notify_used_averaged_gradients()
-
-    @contextlib.contextmanager
-    def use_averaged_gradients(self):
-        """as upstream's: ``param.grad`` are the averaged gradients inside the block; the round counts as settled"""
-        self.local_fallback.settle_()
-        with super().use_averaged_gradients() as averaged_grads:
-            yield averaged_grads
 
     def flat_averaged_grads(self, averaged_grads: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """the averager's buffers (as given by ``get_tensors()``) as few tensors as possible, for one-pass checks: the

@@ -201,7 +201,7 @@ class GradientBuckets:
 
         - every source and buffer on the CPU, where reading a flag on the host costs nothing: one read-only pass
           (a sum per source) decides, then :meth:`add_` adds with ``alpha * inv_scale`` folded into its single pass:
-          as many passes as upstream's unscale, host read and add, and as fast on a CPU, where a read-only pass costs
+          as many passes as an unscale, a host read and an add, and as fast on a CPU, where a read-only pass costs
           what a read-write one does (:func:`_add_finite_with_host_check`);
         - otherwise, decided on the device without a host synchronization: per bucket one fused copy into the
           staging buffer, one ``_amp_foreach_non_finite_check_and_unscale_`` (the kernel
@@ -263,10 +263,10 @@ def _add_finite_with_host_check(
 ) -> torch.Tensor:
     """:meth:`GradientBuckets.add_finite_` for CPU data: one read-only pass (a sum per source: inf or NaN anywhere
     makes it non-finite), one host read, then (if finite) one :meth:`GradientBuckets.add_` with the unscale folded into
-    ``alpha``. On one CPU core a read-only pass costs what upstream's read-write unscale does (8.4 M float32 elements
+    ``alpha``. On one CPU core a read-only pass costs what a read-write unscale does (8.4 M float32 elements
     from memory, medians of 40 interleaved runs: a sum per tensor 1.66 ms, one fused ``_foreach_norm`` 1.62 ms,
-    ``_amp_foreach_non_finite_check_and_unscale_`` 1.61 ms), so this path matches upstream's cost instead of the device
-    path's four passes. Finite gradients whose sum exceeds float32's range (3.4e38) would count as overflowed too"""
+    ``_amp_foreach_non_finite_check_and_unscale_`` 1.61 ms), so this path costs what unscaling in place does instead of the
+    device path's four passes. Finite gradients whose sum exceeds float32's range (3.4e38) would count as overflowed too"""
     inv_scale = inv_scale.to("cpu", torch.float32)
     sums = [(grad.coalesce().values() if grad.is_sparse else grad).sum(dtype=torch.float32)
             for grad in sources if grad is not None]

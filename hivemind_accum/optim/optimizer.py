@@ -54,8 +54,8 @@ class Optimizer(upstream.Optimizer):
         **kwargs,
     ):
         """
-        As :class:`hivemind.Optimizer` (same keyword-only arguments, listed by ``help`` and ``inspect.signature``),
-        with ``client_mode=None`` meaning the DHT's mode. Checked before any process or thread starts:
+        Keyword arguments only, as the class documents them (``help`` and ``inspect.signature`` list them);
+        ``client_mode=None`` means the DHT's mode. Checked before any process or thread starts:
 
         :raises TypeError: for positional arguments
         :raises ValueError: if ``batch_size_per_step`` is not a positive int or None, if ``client_mode`` and
@@ -98,7 +98,7 @@ class Optimizer(upstream.Optimizer):
             )
         if self.use_gradient_averaging and not self.auxiliary:
             # torch.amp.GradScaler.step then hands itself to step() instead of unscaling and reading the overflow
-            # flag on the host before every micro-step (upstream sets this only for reuse_grad_buffers=True)
+            # flag on the host before every micro-step, in the exact mode as in the in-place one
             self._step_supports_amp_scaling = True
 
     __init__.__signature__ = inspect.signature(upstream.Optimizer.__init__)  # help() lists upstream's arguments
@@ -118,7 +118,9 @@ class Optimizer(upstream.Optimizer):
         grad_scaler: Optional[torch.amp.GradScaler] = None,
     ):
         """
-        As :meth:`hivemind.Optimizer.step`, with loss scaling handled on the device:
+        Update training progress after accumulating another local batch size. Depending on the configuration, this
+        will report progress to peers, run global or local optimizer step, average parameters or schedule background
+        tasks. Loss scaling is handled on the device:
 
         - exact mode (``reuse_grad_buffers=False``), with ``torch.amp.GradScaler``: each micro-step's gradients are
           unscaled (in the accumulators' dtype) and checked for inf/NaN as they are accumulated
@@ -128,8 +130,8 @@ class Optimizer(upstream.Optimizer):
           if the dropped samples were needed to reach the target batch size, the epoch goes on. ``.grad`` keeps the
           scaled gradients unless the loop called ``scaler.unscale_(opt)``. On an accelerator neither ``step`` nor
           ``update`` synchronizes; with everything on the CPU the overflow decision is read on the host (free there),
-          once per micro-step, which makes as many passes over the gradients as upstream instead of the device path's
-          four. The scale may grow after ``growth_interval`` micro-steps without
+          once per micro-step, which makes as many passes over the gradients as unscaling, then adding, instead of the
+          device path's four. The scale may grow after ``growth_interval`` micro-steps without
           overflow (it is only used within a micro-step, so this is safe).
         - in-place mode (``reuse_grad_buffers=True``), ``hivemind.GradScaler`` only: the no-sync step does no
           check at all; the accumulated gradients are unscaled and checked once per round, before averaging (one
@@ -189,7 +191,7 @@ class Optimizer(upstream.Optimizer):
         elif grad_scaler is not None:  # in-place mode: checked once per round, in _begin_averaging_gradients
             self.grad_averager.accumulate_grads_(batch_size)
         else:
-            return super()._check_and_accumulate_gradients(batch_size, grad_scaler)
+            self.grad_averager.accumulate_grads_(batch_size)
         self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
         return True
 
@@ -219,10 +221,11 @@ class Optimizer(upstream.Optimizer):
 
     def _load_averaged_gradients_into_optimizer_(self):
         """
-        Called by upstream with a round's averaged gradients in the averager's buffers. With this package's averagers
-        they are checked first (one read-only reduction per bucket) and used only if finite; otherwise the round
-        counts as failed: the optimizer steps with this peer's own gradients of the round (kept since the round
-        began, as for any failed round), or, if the averager keeps none (PowerSGD), skips its step. If this peer's own
+        Called with a round's averaged gradients in the averager's buffers. With a :class:`GradientAverager` (see
+        :meth:`_guards_gradients`) they are checked first (one read-only reduction per bucket) and used only if
+        finite; otherwise the round counts as failed: the optimizer steps with this peer's own gradients of the round
+        (kept since the round began, as for any failed round), or, if the averager keeps none (PowerSGD), skips its
+        step. If this peer's own
         gradients of the round held inf or NaN (they were sent as zeros with weight 0, see
         :meth:`GradientAverager.load_accumulators_into_averager_`), it skips its step whatever the result.
         """
@@ -250,17 +253,16 @@ class Optimizer(upstream.Optimizer):
         self._load_gradients_into_optimizer_()
 
     def _load_local_gradients_into_optimizer(self):
-        """as upstream (load this peer's own gradients of the round into the averager's buffers, then into the
-        optimizer), but they were checked as they were loaded: if they held inf or NaN, the optimizer step is skipped
-        (see :class:`~hivemind_accum.optim.round_guard.SkipUnusableSteps`)"""
-        if not self._guards_gradients():
-            return super()._load_local_gradients_into_optimizer()
+        """Fall back to this peer's own gradients of the round: load them into the averager's buffers (averaged over
+        micro-steps, and on the host where the optimizer is offloaded), then into the optimizer. A
+        :class:`GradientAverager` checked them as it loaded them: if they held inf or NaN, the optimizer step is
+        skipped (see :class:`~hivemind_accum.optim.round_guard.SkipUnusableSteps`)"""
         logger.log(self.status_loglevel, "Proceeding with local gradients")
         self.grad_averager.load_accumulators_into_averager_()
-        if self.grad_averager.round_guard.round_usable:
-            self._load_gradients_into_optimizer_()
+        if self._guards_gradients() and not self.grad_averager.round_guard.round_usable:
+            self.grad_averager.notify_used_averaged_gradients()  # the optimizer step will be skipped
         else:
-            self.grad_averager.notify_used_averaged_gradients()
+            self._load_gradients_into_optimizer_()  # checked already
 
     def _load_gradients_into_optimizer_(self):
         """upstream's ``_load_averaged_gradients_into_optimizer_``, after creating any missing ``.grad`` in the
@@ -282,13 +284,14 @@ class Optimizer(upstream.Optimizer):
         self.state_averager.hold_back_()
 
     def _compute_schema_hash(self) -> int:
-        """upstream's (parameter shapes and, offloaded, ``.grad`` identities), read while no optimizer step runs: a
-        skipped step takes the ``.grad`` tensors away for its duration, maybe in the state averager's thread"""
+        """parameter shapes and, offloaded, ``.grad`` identities, read while no optimizer step runs: a skipped step
+        takes the ``.grad`` tensors away for its duration, maybe in the state averager's thread"""
         with self.state_averager.lock_optimizer:
             return super()._compute_schema_hash()
 
     def _guards_gradients(self) -> bool:
-        """whether the gradient averager is this package's (a ``grad_averager_factory`` may build another one)"""
+        """whether the gradient averager is a :class:`GradientAverager` (a ``grad_averager_factory`` may build
+        another kind)"""
         return isinstance(self.grad_averager, GradientAverager)
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
@@ -312,7 +315,7 @@ class Optimizer(upstream.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         """
-        Reset the model's gradients. Unlike upstream, this is allowed with ``reuse_grad_buffers=True``: with
+        Reset the model's gradients, also with ``reuse_grad_buffers=True``: with
         ``set_to_none=True`` (the default) the gradients already accumulated stay in the averager and the next
         micro-step's gradients are added to them; ``set_to_none=False`` zeroes ``.grad`` in place, which in in-place
         mode discards this epoch's accumulated gradients, as it would in native PyTorch accumulation.

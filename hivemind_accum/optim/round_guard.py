@@ -6,7 +6,7 @@ element reaches every member of the group, and a weight of 0 does not help: ``0 
 This module knows nothing about hivemind's classes. It gives one check and one small per-averager record:
 
 - :func:`all_finite`: whether a sequence of tensors holds any inf or NaN, with one read-only reduction per tensor
-  (per flat bucket for this package's averagers) and one host read;
+  (per flat bucket for a ``GradientAverager``'s buffers) and one host read;
 - :class:`RoundGuard`: what one averager does around a round: before it, :meth:`RoundGuard.offer_` checks this peer's
   own values and replaces non-finite ones by zeros, to be sent with weight 0; after it, :meth:`RoundGuard.accept_`
   checks the result and, if it is not finite, restores this peer's own values from a snapshot kept for that purpose;

@@ -70,7 +70,8 @@ class TrainingStateAverager(upstream.TrainingStateAverager, _FiniteStateDownload
         self._hold_back.value = True
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info, group_id=None, **kwargs):
-        """upstream's all-reduce, guarded (runs in the averager's background process, the tensors locked)"""
+        """the all-reduce of :class:`DecentralizedAverager`, guarded (runs in the averager's background process,
+        the tensors locked)"""
         guard = self.round_guard
         guard.snapshot_(tensors)  # before offer_ may zero them: a peer whose values are not finite keeps them so
         if not guard.offer_(tensors) or self._hold_back.value:

@@ -16,8 +16,9 @@ import textwrap
 from dataclasses import dataclass
 from email.parser import Parser
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
+from hivemind_accum.upstream.fixes import CHANGES, FIXES, FixError, apply_fix, omit_workarounds
 from hivemind_accum.upstream.merge import UPSTREAM_PACKAGE, MergeError, merge_module, rewrite_new_module
 
 SUPPORTED_VERSION = "1.1.12"  # the hivemind version whose source the merge was tested against
@@ -65,49 +66,90 @@ def carried_modules() -> List[str]:
 
 
 def build_patches(upstream_dir: Path) -> List[ModulePatch]:
-    """merge every carried module into upstream's (or add it) and order the commits so each imports only earlier ones
-    or upstream; each commit message comes from UPSTREAM.md's section for its module"""
+    """the series: first one commit per hivemind defect that this package works around (:mod:`.fixes`, fixed at its
+    place), then every carried module merged into hivemind's (or added), ordered so that each imports only earlier
+    ones or hivemind; each module's commit message comes from UPSTREAM.md's section for it"""
     carried = carried_modules()
-    patches: Dict[str, ModulePatch] = {}
-    for name in carried:
-        ours = (OUR_OPTIM / f"{name}.py").read_text()
-        upstream_file = upstream_dir / "optim" / f"{name}.py"
-        label = f"hivemind_accum/optim/{name}.py"
+    texts: Dict[str, str] = {}  # a module's text so far in the series, by path
+    fix_patches: List[ModulePatch] = []
+    for fix in FIXES:
+        path = f"{UPSTREAM_PACKAGE}/{fix.path}"
+        before = texts[path] if path in texts else (upstream_dir / fix.path).read_text()
+        ours = (OUR_OPTIM / f"{fix.module}.py").read_text() if fix.module else ""
         try:
+            after = apply_fix(before, fix, ours)
+        except FixError as e:
+            raise GenerationError(f"cannot fix '{fix.subject}': {e}") from e
+        if after != before:
+            fix_patches.append(ModulePatch(path, before, after, fix.subject, _wrap(fix.why) + "\n"))
+        texts[path] = after
+    patches: Dict[str, ModulePatch] = {}
+    notes: Dict[str, List[str]] = {}
+    later: List[ModulePatch] = []  # CHANGES, each a commit after its module's
+    for name in carried:
+        label = f"hivemind_accum/optim/{name}.py"
+        path = f"{UPSTREAM_PACKAGE}/optim/{name}.py"
+        upstream_file = upstream_dir / "optim" / f"{name}.py"
+        try:
+            fixes = [fix for fix in FIXES if fix.module == name]
+            ours = omit_workarounds((OUR_OPTIM / f"{name}.py").read_text(), fixes, label)
+            changes = [change for change in CHANGES if change.module == name]
+            states = [omit_workarounds(ours, changes[i:], label) for i in range(len(changes))] + [ours]
             if upstream_file.exists():
-                before = upstream_file.read_text()
-                after = merge_module(before, ours, f"{UPSTREAM_PACKAGE}.optim.{name}", carried, label)
+                before = texts[path] if path in texts else upstream_file.read_text()
+                notes[name] = []
+                module = f"{UPSTREAM_PACKAGE}.optim.{name}"
+                merged = [merge_module(before, state, module, carried, label, []) for state in states[:-1]]
+                merged.append(merge_module(before, ours, module, carried, label, notes[name]))
             else:
-                before, after = None, rewrite_new_module(ours, carried, label)
-        except MergeError as e:
+                before, merged = None, [rewrite_new_module(state, carried, label) for state in states]
+        except (MergeError, FixError) as e:
             raise GenerationError(f"cannot carry {label} upstream: {e}") from e
-        patches[name] = ModulePatch(f"{UPSTREAM_PACKAGE}/optim/{name}.py", before, after)
+        patches[name] = ModulePatch(path, before, merged[0])
+        for change, previous, after in zip(changes, merged, merged[1:]):
+            later.append(ModulePatch(path, previous, after, change.subject, _wrap(change.why) + "\n"))
     sections = _upstream_md_sections()
     for name, patch in patches.items():
-        patch.subject, patch.body = _commit_message(patch, (OUR_OPTIM / f"{name}.py").read_text(), sections)
-    return [patches[name] for name in _dependency_order(patches)]
+        patch.subject, patch.body = _commit_message(
+            patch, (OUR_OPTIM / f"{name}.py").read_text(), sections, notes.get(name, [])
+        )
+    return fix_patches + [patches[name] for name in _dependency_order(patches)] + later
 
 
-def generate(out: Path, upstream_dir: Optional[Path] = None) -> List[ModulePatch]:
+def source_package(source: Path) -> Path:
+    """the hivemind package directory of a hivemind source tree (a git checkout: ``DIR/hivemind``), or ``source``
+    itself if it is a package directory"""
+    source = Path(source)
+    for candidate in source / UPSTREAM_PACKAGE, source:
+        if (candidate / "__init__.py").exists() and (candidate / "optim" / "optimizer.py").exists():
+            return candidate.resolve()
+    raise GenerationError(f"--hivemind-src {source}: neither it nor {source}/hivemind is hivemind's package directory")
+
+
+def generate(out: Path, upstream_dir: Optional[Path] = None, from_source: bool = False) -> List[ModulePatch]:
     """
     Write the patched package, its patch series and its packaging.
 
     :param out: output directory, absent, empty or written by this generator before (then replaced); receives
       ``hivemind/`` (the installed package with the patches applied, p2pd binary and protobuf modules included),
-      ``patches/NNNN-*.patch`` (one per upstream module, ``patch -p1`` from a directory holding ``hivemind/``),
-      ``pyproject.toml`` (``pip install out`` installs the patched hivemind as version ``1.1.12+accum``)
+      ``patches/NNNN-*.patch`` (``git am`` in a hivemind checkout, or ``patch -p1`` from a directory holding
+      ``hivemind/``), ``pyproject.toml`` (``pip install out`` installs the patched hivemind as version
+      ``1.1.12+accum``; not written with ``from_source``)
     :param upstream_dir: the hivemind package directory to start from (default: the installed one)
+    :param from_source: ``upstream_dir`` is the package directory of a hivemind source tree (e.g. a checkout of
+      hivemind's master), of any version: the series is generated against its modules
     :returns: the patches, in series order
-    :raises GenerationError: for a hivemind version other than 1.1.12, an already patched hivemind, a module that
-      cannot be merged, or an output directory holding other files
+    :raises GenerationError: for an installed hivemind other than 1.1.12, an already patched hivemind, a module that
+      cannot be merged, a defect fix that does not match, or an output directory holding other files
     """
     upstream_dir = Path(upstream_dir or installed_hivemind())
     version = hivemind_version(upstream_dir)
-    if version != SUPPORTED_VERSION:
+    if version != SUPPORTED_VERSION and not from_source:
         raise GenerationError(
             f"hivemind {version} is installed at {upstream_dir}, but the patch series is generated from hivemind "
             f"{SUPPORTED_VERSION}'s source only (the version it was tested with); install hivemind=={SUPPORTED_VERSION} "
-            f"(pip install hivemind=={SUPPORTED_VERSION}) and run again"
+            f"(pip install hivemind=={SUPPORTED_VERSION}) and run again, or pass a hivemind checkout with "
+            f"--hivemind-src"
         )
     if (upstream_dir / "optim" / "grad_buckets.py").exists():
         raise GenerationError(
@@ -130,18 +172,23 @@ def generate(out: Path, upstream_dir: Optional[Path] = None) -> List[ModulePatch
     for number, patch in enumerate(patches, start=1):
         filename = f"{number:04d}-{re.sub(r'[^A-Za-z0-9]+', '-', patch.subject).strip('-')}.patch"
         (out / "patches" / filename).write_text(format_patch(patch, number, len(patches)))
-    (out / "pyproject.toml").write_text(_pyproject(upstream_dir))
+    if not from_source:
+        (out / "pyproject.toml").write_text(_pyproject(upstream_dir))
+    elif (out / "pyproject.toml").exists():
+        (out / "pyproject.toml").unlink()
     return patches
 
 
 def format_patch(patch: ModulePatch, number: int, total: int) -> str:
-    """a ``git format-patch``-style mail: subject, message, then a unified diff with a/ and b/ prefixes"""
+    """a ``git format-patch`` mail (``git am`` applies it): subject, message, then a unified diff with a/ and b/
+    prefixes"""
     before = [] if patch.before is None else patch.before.splitlines(keepends=True)
     after = patch.after.splitlines(keepends=True)
     old = "/dev/null" if patch.before is None else f"a/{patch.path}"
     diff = "".join(difflib.unified_diff(before, after, old, f"b/{patch.path}", n=3))
     header = f"diff --git a/{patch.path} b/{patch.path}\n" + ("new file mode 100644\n" if patch.before is None else "")
     return (
+        f"From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
         f"From: hivemind_accum <hivemind_accum@users.noreply.github.com>\n"
         f"Subject: [PATCH {number}/{total}] {patch.subject}\n\n{patch.body}\n---\n{header}{diff}"
     )
@@ -180,17 +227,54 @@ def _upstream_md_sections() -> Dict[str, str]:
     return {path: text.strip() for path, text in sections.items()}
 
 
-def _commit_message(patch: ModulePatch, our_source: str, sections: Dict[str, str]):
+def _commit_message(patch: ModulePatch, our_source: str, sections: Dict[str, str], notes: Sequence[str] = ()):
     """subject and body: the module docstring's first paragraph says why, UPSTREAM.md's section says what changes"""
     docstring = ast.get_docstring(ast.parse(our_source)) or ""
     why = re.sub(r"\bhivemind_accum\b", UPSTREAM_PACKAGE, docstring.split("\n\n")[0])
-    subject = f"{'Add' if patch.before is None else 'Change'} {patch.path}"
+    name = Path(patch.path).stem
+    subject = SUBJECTS.get(name, f"{'Add' if patch.before is None else 'Change'} {patch.path}")
     what = sections.get(patch.path)
     if what is None:
         what = f"(UPSTREAM.md has no section for {patch.path}; see the module's docstring.)"
     paragraphs = [_wrap(why)] if why else []
     paragraphs += [_markdown_to_text(what)]
+    if notes:
+        paragraphs.append(_wrap(
+            "Where a changed method still needs the previous implementation as a function (rather than running its "
+            "body with new statements before or after it), that implementation is kept under a private name:"
+        ))
+        paragraphs.append("\n".join(_wrap(f"- {_helper_note(note)}", indent="  ") for note in notes))
     return subject, "\n\n".join(paragraphs) + "\n"
+
+
+# each module's commit subject (a module not listed: "Add <path>" or "Change <path>")
+SUBJECTS = {
+    "grad_buckets": "Add optim/grad_buckets.py: flat per-(device, dtype) gradient buffers with fused operations",
+    "round_guard": "Add optim/round_guard.py: keep inf and NaN out of averaging rounds",
+    "local_fallback": "Add optim/local_fallback.py: keep a round's local gradients until the round is settled",
+    "grad_averager": (
+        "GradientAverager: flat-buffer accumulation in both modes, loss-scaled micro-steps, failed-round fallback"
+    ),
+    "power_sgd_averager": "PowerSGDGradientAverager: flat-buffer accumulation, reset non-finite error feedback",
+    "state_averager": "TrainingStateAverager: never offer or take non-finite parameters or statistics",
+    "optimizer": "Optimizer: sync-free loss scaling, skip non-finite rounds, check arguments, zero_grad in place",
+}
+
+# why a method of hivemind's is kept as a private helper, where the merge's own reason is too terse
+KEPT_HELPERS = {
+    "Optimizer._base_step": (
+        "the new step passes a torch.amp.GradScaler to the micro-step accumulation for the duration of one call only "
+        "(set before the previous step runs with grad_scaler=None, cleared in a finally clause), and runs the "
+        "previous step unchanged without a scaler, in in-place mode and on auxiliary peers"
+    ),
+}
+
+
+def _helper_note(note: str) -> str:
+    helper = note.split(":", 1)[0]
+    if helper in KEPT_HELPERS:
+        return f"{note.split(': ', 2)[0]}: {note.split(': ', 2)[1]}: {KEPT_HELPERS[helper]}"
+    return note
 
 
 def _markdown_to_text(markdown: str) -> str:

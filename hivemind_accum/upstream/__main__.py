@@ -3,7 +3,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from hivemind_accum.upstream import SUPPORTED_VERSION, GenerationError, generate, installed_hivemind
+from hivemind_accum.upstream import (
+    SUPPORTED_VERSION,
+    GenerationError,
+    generate,
+    hivemind_version,
+    installed_hivemind,
+    source_package,
+)
 
 
 def main(argv=None) -> int:
@@ -14,18 +21,28 @@ def main(argv=None) -> int:
         f"DIR/pyproject.toml (pip install DIR)",
     )
     parser.add_argument("--out", type=Path, required=True, help="output directory (new, empty or generated before)")
+    parser.add_argument(
+        "--hivemind-src", type=Path, metavar="SRC",
+        help="generate against this hivemind source tree (a git checkout, e.g. of master, any version) instead of the "
+        "installed package; then git am DIR/patches/*.patch in that checkout applies the series (no pyproject.toml "
+        "is written: the checkout has its own packaging)",
+    )
     args = parser.parse_args(argv)
     try:
-        upstream_dir = installed_hivemind()
-        patches = generate(args.out, upstream_dir)
+        upstream_dir = source_package(args.hivemind_src) if args.hivemind_src else installed_hivemind()
+        patches = generate(args.out, upstream_dir, from_source=args.hivemind_src is not None)
     except GenerationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"patched hivemind {SUPPORTED_VERSION} from {upstream_dir}:")
-    for patch in patches:
-        print(f"  {patch.path}: {'added' if patch.before is None else 'changed'}")
-    print(f"wrote {args.out}/hivemind, {args.out}/patches ({len(patches)} patches), {args.out}/pyproject.toml")
-    print(f"install with: pip install {args.out}")
+    print(f"patched hivemind {hivemind_version(upstream_dir)} from {upstream_dir}:")
+    for number, patch in enumerate(patches, start=1):
+        print(f"  {number:2d} {patch.path}: {patch.subject}")
+    packaging = "" if args.hivemind_src else f", {args.out}/pyproject.toml"
+    print(f"wrote {args.out}/hivemind, {args.out}/patches ({len(patches)} patches){packaging}")
+    if args.hivemind_src:
+        print(f"apply with: git -C {args.hivemind_src} am {args.out.resolve()}/patches/*.patch")
+    else:
+        print(f"install with: pip install {args.out}")
     return 0
 
 

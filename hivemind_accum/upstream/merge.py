@@ -26,6 +26,7 @@ Anything else (a conflicting import, a new base class, a statement kind not list
 import ast
 import re
 import sys
+import textwrap
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -106,7 +107,10 @@ class _Import:
         return self.module, self.name
 
 
-def merge_module(upstream_text: str, our_text: str, module: str, carried: Iterable[str], name: str = "") -> str:
+def merge_module(
+    upstream_text: str, our_text: str, module: str, carried: Iterable[str], name: str = "",
+    notes: Optional[List[str]] = None,
+) -> str:
     """
     Merge this package's module into upstream's.
 
@@ -115,12 +119,16 @@ def merge_module(upstream_text: str, our_text: str, module: str, carried: Iterab
     :param module: upstream's dotted module name, e.g. ``"hivemind.optim.grad_averager"``
     :param carried: names of this package's ``optim`` modules that go upstream (their imports are rewritten)
     :param name: a label for error messages
+    :param notes: if given, receives one line per method of upstream's kept under a private name, saying why
     :returns: the merged source
     :raises MergeError: if a rule above does not apply
     """
     merger = _ModuleMerger(_Source(upstream_text, f"{module} (upstream)"), _Source(our_text, name or module), module,
                            set(carried))
-    return merger.merge()
+    merged = merger.merge()
+    if notes is not None:
+        notes += merger.notes
+    return merged
 
 
 def rewrite_new_module(our_text: str, carried: Iterable[str], name: str = "") -> str:
@@ -240,6 +248,7 @@ class _ModuleMerger:
         self.edits: List[_Edit] = []
         self.self_aliases: Set[str] = set()  # names under which ours imports the upstream module itself
         self.name_map: Dict[str, str] = {}  # a name of ours -> upstream's name for the same object
+        self.notes: List[str] = []  # why a method of upstream's is kept under a private name
 
     def add(self, start: int, end: int, text: str) -> None:
         self.edits.append(_Edit(start, end, text, len(self.edits)))
@@ -279,6 +288,7 @@ class _ModuleMerger:
                     f"{self.ours.name}:{node.lineno}: a module-level {type(node).__name__} cannot be merged; "
                     f"module-level code must be imports, classes, functions or assignments"
                 )
+        self._add_imports()
         return self._apply()
 
     def code(self, node: ast.AST, extra: Sequence[Tuple[ast.AST, str]] = (), span=None) -> str:
@@ -382,6 +392,17 @@ class _ModuleMerger:
                     )
                 else:
                     new.setdefault(imp.module, []).append((imp.name, imp.bound))
+        self._new_imports, self._up_imports = new, up_imports
+
+    def _add_imports(self) -> None:
+        """our new imports, in upstream's import sections, each only if the merged code uses the name it binds"""
+        up_imports = self._up_imports
+        used_names = {n.id for n in ast.walk(ast.parse(self._apply())) if isinstance(n, ast.Name)}
+        new = {}
+        for module, names in self._new_imports.items():
+            used = [(name, bound) for name, bound in names if bound.split(".")[0] in used_names]
+            if used:
+                new[module] = used
         from_nodes = {n.module: (n, imports) for n, imports in up_imports if isinstance(n, ast.ImportFrom)}
         for module, names in new.items():
             if module is not None and module in from_nodes:  # extend upstream's own statement
@@ -436,6 +457,174 @@ class _ModuleMerger:
         return text
 
 
+@dataclass
+class _Inline:
+    """how one of our methods goes into upstream's method ``target`` instead of wrapping it"""
+
+    target: str  # upstream's method whose body receives our statements
+    before: List[ast.stmt]  # our statements before the call (the ``*args`` guard left out)
+    after: List[ast.stmt]  # our statements after it (a final ``return`` of the call's result left out)
+    wrapper: Optional[ast.With] = None  # ``with ...:`` of ours around the call: upstream's body goes inside it
+    replaced: Sequence[ast.stmt] = ()  # upstream's leading ``if p is not None:`` blocks, for a p ours passes as None
+    renames: Optional[Dict[str, str]] = None  # our names for the result -> upstream's returned names
+    final_return: Optional[ast.Return] = None  # upstream's final return (our after-statements go before it)
+
+
+def _signature_params(function: ast.FunctionDef):
+    """positional parameter names (without self), keyword-only names, defaults by name, *args and **kwargs names"""
+    args = function.args
+    named = [a.arg for a in args.posonlyargs + args.args]
+    defaults = dict(zip(named[len(named) - len(args.defaults) :], args.defaults))
+    defaults.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None})
+    return (
+        named[1:], [a.arg for a in args.kwonlyargs], defaults,
+        args.vararg.arg if args.vararg else None, args.kwarg.arg if args.kwarg else None,
+    )
+
+
+def _is_none(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
+
+
+def _is_not_none_test(stmt: ast.stmt, name: str) -> bool:
+    """``if name is not None:`` without an else"""
+    test = getattr(stmt, "test", None)
+    return (
+        isinstance(stmt, ast.If) and not stmt.orelse and isinstance(test, ast.Compare) and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.IsNot) and isinstance(test.left, ast.Name) and test.left.id == name
+        and _is_none(test.comparators[0])
+    )
+
+
+def _rebinds(body: Sequence[ast.stmt], name: str, value: ast.expr) -> bool:
+    """whether ``body`` (upstream's method) itself sets ``name = value`` at its top level, before reading ``name``:
+    then passing ``value`` for ``name`` changes nothing (e.g. a default that upstream's method resolves the same way)"""
+    for stmt in body:
+        if isinstance(stmt, ast.Assign) and [ast.unparse(t) for t in stmt.targets] == [name]:
+            return ast.unparse(stmt.value) == ast.unparse(value)
+        if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(stmt)):
+            return False
+    return False
+
+
+def _plan_inline(ours: ast.FunctionDef, upstream: ast.FunctionDef, target: str):
+    """(plan, None) if our method can go into upstream's ``target`` (its signature, docstring and body, with our
+    statements around that body), else (None, why not)"""
+    if {ast.dump(d) for d in ours.decorator_list} - {ast.dump(d) for d in upstream.decorator_list}:
+        return None, "it adds a decorator"
+    body = ours.body[1:] if _docstring_node(ours) else list(ours.body)
+    wrapper = None
+    if len(body) == 1 and isinstance(body[0], ast.With):
+        wrapper, body = body[0], body[0].body
+    calls = [n for n in _own_nodes(ours) if _super_call_name(n) == target]
+    if len(calls) != 1:
+        return None, f"it calls it {len(calls)} times, with different arguments or in different branches"
+    positions = [
+        i for i, stmt in enumerate(body)
+        if isinstance(stmt, (ast.Expr, ast.Return, ast.Assign)) and stmt.value is calls[0]
+    ]
+    if not positions:
+        return None, "it calls it inside a condition or an expression"
+    i = positions[0]
+    call_stmt, before, after = body[i], body[:i], body[i + 1 :]
+    if wrapper is not None and (before or after or isinstance(body[i], ast.Assign)):
+        return None, "it runs statements inside its with-block besides the call"
+    call = calls[0]
+    up_body = upstream.body[1:] if _docstring_node(upstream) else list(upstream.body)
+    up_pos, up_kw, up_defaults, up_star, up_double = _signature_params(upstream)
+    our_pos, our_kw, our_defaults, our_star, our_double = _signature_params(ours)
+    for name in our_pos + our_kw:
+        if name not in up_pos + up_kw or (name in our_kw) != (name in up_kw):
+            return None, f"its parameter {name} differs from the base signature"
+        if name in our_pos and our_pos.index(name) != up_pos.index(name):
+            return None, f"its parameter {name} is at another position"
+        if name in our_defaults and ast.dump(our_defaults[name]) != ast.dump(up_defaults.get(name, ast.Pass())):
+            return None, f"its parameter {name} has another default"
+    passed, none_params = set(), []
+    for j, arg in enumerate(call.args):
+        if isinstance(arg, ast.Starred) and isinstance(arg.value, ast.Name) and arg.value.id == our_star:
+            passed |= set(up_pos[j:]) | {up_star}
+        elif j >= len(up_pos):
+            return None, "it passes more positional arguments than the base takes"
+        elif isinstance(arg, ast.Name) and arg.id == up_pos[j] and arg.id in our_pos + our_kw:
+            passed.add(arg.id)
+        elif _is_none(arg):
+            none_params.append(up_pos[j])
+            passed.add(up_pos[j])
+        elif _rebinds(up_body, up_pos[j], arg):
+            passed.add(up_pos[j])
+        else:
+            return None, f"it passes a changed {up_pos[j]}"
+    for keyword in call.keywords:
+        if keyword.arg is None and isinstance(keyword.value, ast.Name) and keyword.value.id == our_double:
+            passed |= (set(up_pos) | set(up_kw) | {up_double}) - passed
+        elif keyword.arg is None or keyword.arg not in up_pos + up_kw:
+            return None, "it passes keyword arguments the base does not take"
+        elif isinstance(keyword.value, ast.Name) and keyword.value.id == keyword.arg in our_pos + our_kw:
+            passed.add(keyword.arg)
+        elif _is_none(keyword.value):
+            none_params.append(keyword.arg)
+            passed.add(keyword.arg)
+        elif _rebinds(up_body, keyword.arg, keyword.value):
+            passed.add(keyword.arg)
+        else:
+            return None, f"it passes a changed {keyword.arg}"
+    missing = (set(up_pos) | set(up_kw) | {up_star, up_double}) - {None} - passed
+    if missing or set(our_pos + our_kw) - passed:
+        return None, "it does not pass every argument through"
+    if (
+        before and up_star is None and our_star is not None and isinstance(before[0], ast.If)
+        and isinstance(before[0].test, ast.Name) and before[0].test.id == our_star and not before[0].orelse
+        and len(before[0].body) == 1 and isinstance(before[0].body[0], ast.Raise)
+    ):
+        before = before[1:]  # `if args: raise TypeError(...)`: the base's keyword-only signature raises it itself
+    used = {n.id for stmt in before + after for n in ast.walk(stmt) if isinstance(n, ast.Name)}
+    if {our_star, our_double} & used - {None}:
+        return None, "its statements read *args or **kwargs"
+    if any(_super_call_name(n) == target for stmt in before + after for n in ast.walk(stmt)):
+        return None, "it calls it again"
+    own = list(_own_nodes(upstream))
+    if any(isinstance(n, (ast.Yield, ast.YieldFrom, ast.Await)) for n in own):
+        return None, "the base is a generator or awaits"
+    returns = [n for n in own if isinstance(n, ast.Return)]
+    replaced = []
+    for name in none_params:
+        leading = []
+        for stmt in up_body:
+            if not _is_not_none_test(stmt, name):
+                break
+            leading.append(stmt)
+        rest = [stmt for stmt in up_body if stmt not in leading]
+        uses = [n for stmt in rest for n in ast.walk(stmt) if isinstance(n, ast.Name) and n.id == name]
+        if not leading or uses:
+            return None, f"it passes {name}=None to a base that uses {name} beyond a leading `if {name} is not None:`"
+        replaced += leading
+    if wrapper is not None and replaced:
+        return None, "it both wraps the base in a with-block and replaces its first statements"
+    plan = _Inline(target, before, after, wrapper, replaced)
+    if isinstance(call_stmt, ast.Assign):  # result = super().x(...); checks; return result
+        targets = call_stmt.targets[0] if len(call_stmt.targets) == 1 else None
+        names = [t.id for t in getattr(targets, "elts", [targets]) if isinstance(t, ast.Name)]
+        final = after[-1] if after else None
+        up_final = up_body[-1] if up_body else None
+        if (
+            not names or final is None or not isinstance(final, ast.Return) or final.value is None
+            or ast.unparse(final.value) != ast.unparse(targets) or len(returns) != 1 or returns[0] is not up_final
+            or up_final.value is None
+        ):
+            return None, "it uses the base's result other than by checking it before returning it"
+        returned = [t.id for t in getattr(up_final.value, "elts", [up_final.value]) if isinstance(t, ast.Name)]
+        if len(returned) != len(names) or len(getattr(up_final.value, "elts", [up_final.value])) != len(names):
+            return None, "the base's final return is not a tuple of names like ours"
+        plan.after, plan.renames, plan.final_return = after[:-1], dict(zip(names, returned)), up_final
+        return plan, None
+    if after and returns:
+        return None, "it runs statements after the base, which returns early"
+    if isinstance(call_stmt, ast.Expr) and any(r.value is not None and not _is_none(r.value) for r in returns):
+        return None, "it drops the base's return value"
+    return plan, None
+
+
 class _ClassMerger:
     def __init__(self, merger: _ModuleMerger, up_class: ast.ClassDef, bases: Optional[List[str]], our_class: ast.ClassDef):
         self.m, self.up_class, self.our_class, self.bases = merger, up_class, our_class, bases
@@ -444,12 +633,35 @@ class _ClassMerger:
                 raise MergeError(f"class {cls.name}: only module-level classes can be merged")
         self.up_methods = {n.name: n for n in up_class.body if isinstance(n, _FUNCTIONS)}
         self.our_methods = {n.name: n for n in our_class.body if isinstance(n, _FUNCTIONS)}
-        super_called = {name for method in self.our_methods.values() for name in map(_super_call_name, _own_nodes(method))}
-        wrapped = super_called & set(self.up_methods) & set(self.our_methods)
-        self.inlined = {name for name in wrapped if self._inline_parts(name) is not None}
-        self.renamed = {name: _private_name(name) for name in wrapped - self.inlined}
-        for private in self.renamed.values():
-            if private in self.up_methods or private in self.our_methods:
+        callers: Dict[str, List[str]] = {}
+        for method in self.our_methods.values():
+            for sub in _own_nodes(method):
+                name = _super_call_name(sub)
+                if name is not None:
+                    callers.setdefault(name, []).append(method.name)
+        self.plans: Dict[str, _Inline] = {}  # our method -> how it goes into upstream's method
+        self.renamed: Dict[str, str] = {}  # upstream's method -> its new name
+        self.reasons: Dict[str, str] = {}  # upstream's method kept as _base_<name> -> why
+        for name in sorted(set(callers) & set(self.up_methods) & set(self.our_methods)):
+            caller = callers[name][0] if len(set(callers[name])) == 1 else None
+            if caller is None or (caller != name and caller in self.up_methods):
+                plan, why = None, "several methods call it"
+            else:
+                plan, why = _plan_inline(self.our_methods[caller], self.up_methods[name], name)
+            if plan is not None:
+                self.plans[caller] = plan
+                if caller != name:  # upstream's body goes on under our new method's name
+                    self.renamed[name] = caller
+            else:
+                self.renamed[name] = _private_name(name)
+                self.reasons[name] = why
+                merger.notes.append(
+                    f"{up_class.name}.{_private_name(name)}: the previous {up_class.name}.{name}, which the new "
+                    f"{name} calls: {why}"
+                )
+        self.inlined = {plan.target for plan in self.plans.values()}
+        for name, private in self.renamed.items():
+            if name in self.reasons and (private in self.up_methods or private in self.our_methods):
                 raise MergeError(f"class {up_class.name}: {private} (upstream's implementation) is already a method")
 
     def merge(self) -> None:
@@ -473,10 +685,20 @@ class _ClassMerger:
                 anchor = self._merge_attribute(node, anchor, blank_line=not previous_was_attribute)
                 previous_was_attribute = True
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):  # e.g. __init__.__signature__ = ...
+                if self._signature_of_inlined(node):
+                    continue  # the inlined method has upstream's signature itself
                 self.m.add(anchor, anchor, self.m.code(node, self._class_references(node, in_body=True)))
                 previous_was_attribute = True
             elif not isinstance(node, ast.Pass):
                 raise MergeError(f"{self.m.ours.name}:{node.lineno}: a {type(node).__name__} in class {self.our_class.name}")
+
+    def _signature_of_inlined(self, node: ast.stmt) -> bool:
+        """``method.__signature__ = ...`` for a method of ours that went into upstream's method of the same name"""
+        return any(
+            isinstance(t, ast.Attribute) and t.attr == "__signature__" and isinstance(t.value, ast.Name)
+            and t.value.id in self.plans and self.plans[t.value.id].target == t.value.id
+            for t in _targets(node)
+        )
 
     def _class_references(self, node: ast.AST, in_body: bool) -> List[Tuple[ast.AST, str]]:
         """``upstream.Class.method`` of the merged class: the method as now named (``_base_x`` where ours wraps it),
@@ -492,75 +714,75 @@ class _ClassMerger:
                 references.append((sub, name if in_body else f"{self.up_class.name}.{name}"))
         return references
 
-    def _method_code(self, node: ast.AST, span=None) -> str:
+    def _method_code(self, node: ast.AST, span=None, renames: Optional[Dict[str, str]] = None) -> str:
         extra = self._class_references(node, in_body=False)
         for sub in _own_nodes(node):
             name = _super_call_name(sub)
+            if name in self.inlined:
+                continue  # the call that an inlined method's statements surround (not rendered)
             if name in self.renamed:
                 extra.append((sub.func, f"self.{self.renamed[name]}"))
-            elif name in self.up_methods and name not in self.inlined:  # upstream's method that ours keeps
+            elif name in self.up_methods:  # upstream's method that ours keeps
                 raise MergeError(
                     f"{self.m.ours.name}:{sub.lineno}: super().{name}() calls upstream's method that this class does "
                     f"not override; call self.{name}() instead"
                 )
+        if renames:
+            extra += [(n, renames[n.id]) for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in renames]
         return self.m.code(node, extra, span)
 
     def _merge_method(self, node: ast.FunctionDef, anchor: int) -> int:
+        plan = self.plans.get(node.name)
+        if plan is not None:
+            return self._merge_inlined(node, plan)
         existing = self.up_methods.get(node.name)
         if existing is None:
             self.m.add(anchor, anchor, "\n" + self._method_code(node))
             return anchor
         start, end = self.m.up.span(existing)
-        if node.name in self.inlined:
-            before, after = self._inline_parts(node.name)
-            up_docstring = _docstring_node(existing)
-            body_start = up_docstring.end_lineno if up_docstring else existing.body[0].lineno - 1
-            if before is not None:
-                self.m.add(body_start, body_start, self._method_code(node, before))
-            if after is not None:
-                self.m.add(end, end, self._method_code(node, after))
-        elif node.name in self.renamed:
+        if node.name in self.renamed:  # upstream's method goes on under another name, ours takes its place
             self.m.add(start, start, self._method_code(node) + "\n")
             def_line = self.m.up.lines[existing.lineno - 1]
             renamed_line = re.sub(rf"\bdef {re.escape(node.name)}\(", f"def {self.renamed[node.name]}(", def_line, count=1)
             self.m.add(existing.lineno - 1, existing.lineno, renamed_line)
-        else:
+        elif not _same_code(self._method_code(node), "".join(self.m.up.lines[start:end])):
             self.m.add(start, end, self._method_code(node))
         return end
 
-    def _inline_parts(self, name: str):
-        """for ``def name(self, *args, **kwargs)`` whose body is ``before; super().name(*args, **kwargs); after``:
-        the line spans of ``before`` and ``after`` in our source (None where empty); None if not of that form or if
-        upstream's method returns early"""
-        ours, upstream = self.our_methods[name], self.up_methods[name]
-        args = ours.args
-        if (
-            [a.arg for a in args.args] != ["self"] or args.posonlyargs or args.kwonlyargs or args.defaults
-            or args.vararg is None or args.kwarg is None or ours.decorator_list
-        ):
-            return None
-        star, double_star = args.vararg.arg, args.kwarg.arg
-        body = ours.body[1:] if _docstring_node(ours) else ours.body
-        calls = [i for i, stmt in enumerate(body) if isinstance(stmt, ast.Expr) and _super_call_name(stmt.value) == name]
-        if len(calls) != 1:
-            return None
-        call = body[calls[0]].value
-        if not (
-            len(call.args) == 1 and isinstance(call.args[0], ast.Starred) and ast.unparse(call.args[0]) == f"*{star}"
-            and len(call.keywords) == 1 and call.keywords[0].arg is None and ast.unparse(call.keywords[0].value) == double_star
-        ):
-            return None
-        before, after = body[: calls[0]], body[calls[0] + 1 :]
-        used = {n.id for stmt in before + after for n in ast.walk(stmt) if isinstance(n, ast.Name)}
-        own = list(_own_nodes(upstream))
-        if {star, double_star} & used or any(isinstance(n, (ast.Return, ast.Yield, ast.YieldFrom)) for n in own):
-            return None
-        if any(_super_call_name(n) == name for stmt in before + after for n in ast.walk(stmt)):
-            return None
-        call_stmt = body[calls[0]]
-        before_span = (body[0].lineno - 1, call_stmt.lineno - 1) if before else None
-        after_span = (call_stmt.end_lineno, self.m.ours.end(ours)) if after else None
-        return before_span, after_span
+    def _merge_inlined(self, node: ast.FunctionDef, plan: _Inline) -> int:
+        """upstream's method ``plan.target`` with our statements around its body (and our docstring's fields)"""
+        up = self.up_methods[plan.target]
+        _, end = self.m.up.span(up)
+        up_doc, our_doc = _docstring_node(up), _docstring_node(node)
+        body_start = up_doc.end_lineno if up_doc else self.m.up.span(up.body[0])[0]
+        if our_doc is not None and up_doc is not None:
+            self._merge_docstring(up_doc, our_doc)
+        elif our_doc is not None:
+            self.m.add(body_start, body_start, self._method_code(node, self.m.ours.span(our_doc)))
+        if plan.before:
+            text = self._method_code(node, (self.m.ours.span(plan.before[0])[0], self.m.ours.end(plan.before[-1])))
+            if plan.replaced:
+                self.m.add(self.m.up.span(plan.replaced[0])[0], self.m.up.end(plan.replaced[-1]), text)
+            else:
+                self.m.add(body_start, body_start, text)
+        if plan.wrapper is not None:
+            source = self.m.ours.text
+            items = [
+                ast.get_source_segment(source, item.context_expr)
+                + (f" as {ast.get_source_segment(source, item.optional_vars)}" if item.optional_vars else "")
+                for item in plan.wrapper.items
+            ]
+            indent = " " * up.body[-1].col_offset
+            lines = ["    " + line if line.strip() else line for line in self.m.up.lines[body_start:end]]
+            if any(len(line.rstrip("\n")) > LINE_LENGTH for line in lines):
+                raise MergeError(f"{self.up_class.name}.{plan.target}: its body no longer fits in a with-block")
+            self.m.add(body_start, end, f"{indent}with {', '.join(items)}:\n" + "".join(lines))
+        if plan.after:
+            last = self.m.ours.end(node) if plan.final_return is None else self.m.ours.end(plan.after[-1])
+            text = self._method_code(node, (self.m.ours.span(plan.after[0])[0], last), plan.renames)
+            at = self.m.up.span(plan.final_return)[0] if plan.final_return is not None else end
+            self.m.add(at, at, text)
+        return end
 
     def _merge_attribute(self, node: ast.stmt, anchor: int, blank_line: bool) -> int:
         names = set(_assigned_names(node))
@@ -572,7 +794,8 @@ class _ClassMerger:
         return anchor
 
     def _merge_docstring(self, up_docstring: Optional[ast.Expr], our_docstring: ast.Expr) -> None:
-        """upstream's class docstring with the ``:param``/``:raises`` entries ours documents replaced or added"""
+        """upstream's docstring (of the class, or of an inlined method) with the ``:param``/``:raises`` entries ours
+        documents replaced or added"""
         ours = _field_chunks(self.m.code(our_docstring).splitlines(keepends=True))
         our_fields = [(chunk[0], chunk[1]) for chunk in ours if chunk[0] is not None]
         if not our_fields:
@@ -600,6 +823,17 @@ class _ClassMerger:
             merged.insert(position, (key, lines))
             present.add(key)
         self.m.add(start, end, "".join(line for _, lines in merged for line in lines))
+
+
+def _same_code(ours: str, upstream: str) -> bool:
+    """whether two method sources are the same code, docstrings aside (ours then changes nothing upstream)"""
+    trees = []
+    for text in ours, upstream:
+        function = ast.parse(textwrap.dedent(text)).body[-1]
+        if _docstring_node(function) is not None:
+            function.body = function.body[1:]
+        trees.append(ast.dump(function))
+    return trees[0] == trees[1]
 
 
 def _field_chunks(lines: Sequence[str]) -> List[Tuple[Optional[str], List[str]]]:

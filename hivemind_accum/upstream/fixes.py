@@ -1,0 +1,201 @@
+"""
+Defects of hivemind 1.1.12 that this package works around, and how the generated tree fixes each at its place;
+and changes of a module that the series carries as commits of their own (:data:`CHANGES`).
+
+The package cannot change hivemind's code, so it works around a defect from its subclass (an overridden method, a
+value kept aside); the generated tree needs no workaround: the series fixes the defect where it is, in its own
+commit, and the package's workaround is left out of the merge (``omit``).
+"""
+import ast
+import textwrap
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+
+class FixError(Exception):
+    """a fix does not match the hivemind source or this package's module"""
+
+
+@dataclass(frozen=True)
+class Fix:
+    path: str  # the module, relative to the package directory, e.g. "optim/optimizer.py"
+    old: str  # hivemind's text, whole lines, found exactly once in the module
+    new: str  # what replaces it (may name "{ours}": our statement ``moved``, indented as ``old``)
+    subject: str  # the commit's subject
+    why: str  # the commit's message: the defect, how it shows, the fix
+    omit: Tuple[str, ...] = ()  # our workaround, left out of the merge: "Class.method" or a statement's source
+    moved: Optional[str] = None  # the source of a statement of ours that takes ``old``'s place (then omitted too)
+    module: str = ""  # our module that works around it ("" for none)
+
+
+FIXES: Sequence[Fix] = (
+    Fix(
+        path="optim/optimizer.py",
+        module="optimizer",
+        old="        client_mode = client_mode if client_mode is None else dht.client_mode\n",
+        new="        client_mode = client_mode if client_mode is not None else dht.client_mode\n",
+        subject="Optimizer: fall back to the DHT's client mode only when client_mode is not given",
+        why=(
+            "Optimizer.__init__ computes `client_mode if client_mode is None else dht.client_mode`, the fallback "
+            "inverted: without client_mode=, a peer whose DHT is in client mode (behind NAT) keeps "
+            "self.client_mode = None, builds averagers in client mode, trains until its first epoch ends and dies in "
+            "_update_global_epoch with `ValueError: State sharing priority is unused: averager in client mode cannot "
+            "share its state`; an explicit client_mode is replaced by the DHT's. The docstring says the flag is "
+            "copied from the DHT when not given; this makes it so."
+        ),
+        omit=(
+            "Optimizer._make_progress_tracker",
+            "self._client_mode = client_mode",
+            "client_mode = dht.client_mode if client_mode is None else client_mode",
+        ),
+    ),
+    Fix(
+        path="optim/optimizer.py",
+        module="optimizer",
+        old="        if self._parent_pid == os.getpid() and self.is_alive():\n",
+        new='        if hasattr(self, "state_averager") and self._parent_pid == os.getpid() and self.is_alive():\n',
+        subject="Optimizer: do not fail in __del__ after a constructor that raised",
+        why=(
+            "A constructor that raises (a positional argument, a ValueError from its own checks) leaves an object "
+            "without _parent_pid or state_averager, whose __del__ then prints `Exception ignored in: <function "
+            "Optimizer.__del__> ... AttributeError` after the real error. __del__ now shuts down only an optimizer "
+            "that has a state averager."
+        ),
+        omit=("Optimizer.__del__",),
+    ),
+    Fix(
+        path="optim/optimizer.py",
+        module="optimizer",
+        old='        assert not (client_mode and auxiliary), "Client-mode peers cannot serve as auxiliaries"\n',
+        new="{ours}",
+        moved="if client_mode and auxiliary:",
+        subject="Optimizer: raise ValueError, not AssertionError, for client_mode with auxiliary",
+        why=(
+            "A misconfiguration is reported as a ValueError naming the two arguments, as the constructor's other "
+            "argument checks are, instead of an assertion that python -O removes."
+        ),
+    ),
+    Fix(
+        path="optim/grad_scaler.py",
+        old="    def update(self, new_scale: Optional[float] = None) -> bool:\n        with self._lock:\n",
+        new=(
+            "    def update(self, new_scale: Optional[float] = None) -> bool:\n"
+            "        if not self._enabled:\n"
+            "            return False  # as torch.amp.GradScaler.update, which does nothing while disabled\n"
+            "        with self._lock:\n"
+        ),
+        subject="GradScaler: make update() a no-op while the scaler is disabled",
+        why=(
+            "hivemind.GradScaler() without a device targets CUDA and, on a machine without CUDA, warns and disables "
+            "itself; scale() and step() then behave as without a scaler, but update() raises `AttributeError: "
+            "'GradScaler' object has no attribute '_per_optimizer_states'`, a state that torch's GradScaler creates "
+            "only when enabled. torch's own update() returns early when disabled; so does this one now."
+        ),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Change:
+    """a change of one of our modules that the series carries as a commit of its own, after the module's commit:
+    the module's commit is merged without ``omit``, this commit adds it"""
+
+    module: str  # our module, e.g. "optimizer"
+    subject: str
+    why: str
+    omit: Tuple[str, ...]  # as Fix.omit; "Class.method.__doc__" names a method's docstring, "name" a function
+
+
+CHANGES: Sequence[Change] = (
+    Change(
+        module="optimizer",
+        subject="Optimizer: check batch_size_per_step and duplicate parameters before anything starts",
+        why=(
+            "A batch_size_per_step that is not a positive int or None is a ValueError at construction (it failed at "
+            "the first step()); a parameter listed twice in params (or in the optimizer's param_groups) is a "
+            "ValueError naming both positions, raised before the progress tracker and averagers start (it was an "
+            "AssertionError from the state averager, after they started). One-pass iterators inside param groups "
+            "are read once."
+        ),
+        omit=(
+            "Optimizer.__init__.__doc__",
+            "if batch_size_per_step is not None and not is_positive_int(batch_size_per_step):",
+            "if params is not None:",
+            "check_distinct(named)",
+            "_named_params",
+            "_params_as_lists",
+        ),
+    ),
+)
+
+
+def apply_fix(text: str, fix: Fix, ours: str = "") -> str:
+    """hivemind's module with ``fix`` applied; unchanged if hivemind already has the fixed text"""
+    if text.count(fix.old) != 1:
+        if fix.moved is None and fix.new in text:
+            return text  # fixed in this hivemind already
+        raise FixError(f"{fix.path}: expected this text exactly once, found it {text.count(fix.old)} times:\n{fix.old}")
+    new = fix.new
+    if fix.moved is not None:
+        indent = fix.old[: len(fix.old) - len(fix.old.lstrip())]
+        new = new.replace("{ours}", textwrap.indent(textwrap.dedent(_statement_text(ours, fix.moved)), indent))
+    return text.replace(fix.old, new)
+
+
+def omit_workarounds(ours: str, fixes: Sequence[Fix], name: str) -> str:
+    """our module without the methods and statements that the fixes make unnecessary"""
+    tree = ast.parse(ours)
+    lines = ours.splitlines(keepends=True)
+    spans = []
+    for fix in fixes:
+        for item in fix.omit + ((getattr(fix, "moved", None),) if getattr(fix, "moved", None) else ()):
+            node = _find(tree, item)
+            if node is None:
+                raise FixError(f"{name}: {item!r} (left out for '{fix.subject}') is not in the module")
+            spans.append(_span(lines, node))
+    for start, end in sorted(spans, reverse=True):
+        del lines[start:end]
+    return "".join(lines)
+
+
+def _find(tree: ast.Module, item: str) -> Optional[ast.AST]:
+    if item.replace(".", "").replace("_", "").isalnum():  # Class.method, Class.method.__doc__ or a function
+        if "." not in item:
+            return next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == item), None)
+        class_name, method, *doc = item.split(".")
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == class_name:
+                found = next((n for n in node.body if getattr(n, "name", None) == method), None)
+                if found is not None and doc == ["__doc__"]:
+                    body = found.body
+                    is_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
+                    return body[0] if is_doc and isinstance(body[0].value.value, str) else None
+                return found
+        return None
+    header = item.endswith(":")  # a compound statement, named by its first line
+    wanted = ast.unparse(ast.parse(textwrap.dedent(item) + ("\n    pass" if header else "")))
+    wanted = wanted.splitlines()[0] if header else wanted
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt) and not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            text = ast.unparse(node)
+            if (text.splitlines()[0] == wanted) if header else (text == wanted):
+                return node
+    return None
+
+
+def _span(lines, node) -> Tuple[int, int]:
+    """0-based [start, end) lines of a statement, its decorators and the comment lines right above it"""
+    start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", ())]) - 1
+    while start > 0 and lines[start - 1].strip().startswith("#"):
+        start -= 1
+    return start, node.end_lineno
+
+
+def _statement_text(ours: str, source: str) -> str:
+    tree = ast.parse(ours)
+    node = _find(tree, source)
+    if node is None:
+        raise FixError(f"{source!r} is not in the module")
+    lines = ours.splitlines(keepends=True)
+    start, end = _span(lines, node)
+    return "".join(lines[start:end])
