@@ -16,6 +16,7 @@ upstream's own code:
   that is not finite.
 """
 import ctypes
+import inspect
 import multiprocessing as mp
 from typing import Sequence
 
@@ -63,6 +64,17 @@ class TrainingStateAverager(upstream.TrainingStateAverager, _FiniteStateDownload
         self.round_guard = RoundGuard("parameters and optimizer statistics")
         self._hold_back = mp.RawValue(ctypes.c_bool, False)  # set by the training process, read by the averager's
         super().__init__(**kwargs)
+
+    def step(self, wait_for_delayed_updates: bool = None, apply_delayed_updates: bool = True, *args, **kwargs):
+        """upstream's ``step``; called with at most its first two arguments while no background update is pending or
+        finished (``hivemind.Optimizer`` does so at every micro-step), it returns None at once, as upstream's does
+        after checking the same three things"""
+        if not (args or kwargs or self.pending_updates or self.finished_averaging_round.is_set()
+                or self.finished_optimizer_step.is_set()):
+            return None
+        return super().step(wait_for_delayed_updates, apply_delayed_updates, *args, **kwargs)
+
+    step.__signature__ = inspect.signature(upstream.TrainingStateAverager.step)  # help() lists upstream's arguments
 
     def hold_back_(self) -> None:
         """join the next averaging round with weight 0 (and take the others' average), e.g. after skipping an
