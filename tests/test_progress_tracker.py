@@ -8,6 +8,7 @@ import time
 import hivemind
 import pytest
 from hivemind.optim import progress_tracker as upstream
+from hivemind.optim import state_averager as upstream_state_averager
 from hivemind.optim.progress_tracker import LocalTrainingProgress
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
@@ -114,7 +115,7 @@ def test_invalid_reports_raise_as_upstream(dht, epoch, samples):
     assert ours.global_progress.samples_accumulated == theirs.global_progress.samples_accumulated
 
 
-def test_optimizer_no_sync_step_builds_no_model(monkeypatch, dht):
+def test_optimizer_no_sync_step_builds_no_model_and_polls_nothing(monkeypatch, dht):
     import torch
 
     model = torch.nn.Linear(4, 4)
@@ -128,10 +129,15 @@ def test_optimizer_no_sync_step_builds_no_model(monkeypatch, dht):
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
         counter = BuildCounter(monkeypatch)
+        upstream_polls = []
+        upstream_step = upstream_state_averager.TrainingStateAverager.step
+        monkeypatch.setattr(upstream_state_averager.TrainingStateAverager, "step",
+                            lambda *args, **kwargs: upstream_polls.append(1) or upstream_step(*args, **kwargs))
         for _ in range(5):
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
         assert counter.here() == 0
+        assert not upstream_polls  # nothing pending: the state averager's poll returned before upstream's step
         assert opt.local_progress.samples_accumulated == 16 and counter.here() == 1
     finally:
         opt.shutdown()
