@@ -8,9 +8,14 @@ import torch
 def build_model(name: str) -> torch.nn.Module:
     """
     :param name: ``linear-<N>m`` (a stack of 2048-wide Linear layers with about N million parameters),
+      ``mlp-<L>x<W>`` (L Linear(W, W) layers, 2 L parameter tensors: ``mlp-200x16`` has 400 tensors,
+      ``mlp-380x512`` 99.8 M parameters in 760 tensors),
       ``resnet152`` or ``convnext-large`` (transformers' ResNet-152 and ConvNeXt-Large configs, random weights)
     :returns: the model, taking a batch of inputs from :func:`make_inputs` and returning logits
     """
+    if name.startswith("mlp-"):
+        layers, width = _mlp_shape(name)
+        return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     if name.startswith("linear-"):
         width = 2048
         layers = max(1, round(float(name[len("linear-") : -1]) * 1e6 / (width * width + width)))
@@ -23,7 +28,7 @@ def build_model(name: str) -> torch.nn.Module:
     if name == "convnext-large":
         config = ConvNextConfig(depths=[3, 3, 27, 3], hidden_sizes=[192, 384, 768, 1536], num_labels=10)
         return _Logits(ConvNextForImageClassification(config))
-    raise ValueError(f"model: unknown name {name!r}; use linear-<N>m, resnet152 or convnext-large")
+    raise ValueError(f"model: unknown name {name!r}; use linear-<N>m, mlp-<L>x<W>, resnet152 or convnext-large")
 
 
 class _Logits(torch.nn.Module):
@@ -45,6 +50,14 @@ def make_inputs(
     :param image_size: side of the square 3-channel images for resnet152 and convnext-large (the slowdown report used
       224); ignored for linear models, whose inputs are ``(batch_size, 2048)``
     """
+    if name.startswith("mlp-"):
+        return torch.randn(batch_size, _mlp_shape(name)[1], generator=generator, device=device)
     if name.startswith("linear-"):
         return torch.randn(batch_size, 2048, generator=generator, device=device)
     return torch.randn(batch_size, 3, image_size, image_size, generator=generator, device=device)
+
+
+def _mlp_shape(name: str):
+    """(layers, width) of ``mlp-<L>x<W>``"""
+    layers, _, width = name[len("mlp-") :].partition("x")
+    return int(layers), int(width)

@@ -327,13 +327,15 @@ class GradientAverager(upstream.GradientAverager):
     def load_accumulators_into_averager_(self):
         """
         Load locally accumulated gradients, divided by the number of micro-steps, into the averager's shared CPU
-        buffers: one bulk copy (and one scale) per bucket. If the last ``step`` reset the accumulators and its
-        result was not used yet (the round failed), load that round's local gradients instead. Micro-steps dropped for
-        inf/NaN gradients are subtracted from the counters here (see ``accumulate_grads_``).
+        buffers: one bulk copy (and one scale) per bucket. If the last round is not settled (it failed), load that
+        round's local gradients again instead (see ``step``). Micro-steps dropped for inf/NaN gradients are
+        subtracted from the counters here (see ``accumulate_grads_``).
 
-        Then the loaded gradients are checked once (``round_guard.offer_``: one read-only reduction per bucket): if any
-        is inf or NaN, the buffers are set to zeros, ``local_samples_accumulated`` to 0 (so ``step`` joins the round
-        with weight 0 and peers receive nothing of this peer's) and ``round_guard.own_finite`` to False, which
+        Then the loaded gradients are checked once (``round_guard.offer_``), from sums of each chunk taken as the copy
+        writes it, while the chunk is in cache (with ``averaged_grads`` given at construction: one read-only reduction
+        per tensor after the copy): if any is inf or NaN, the buffers are set to zeros, ``local_samples_accumulated``
+        to 0 (so ``step`` joins the round with weight 0 and peers receive nothing of this peer's) and
+        ``round_guard.own_finite`` to False, which
         :class:`hivemind_accum.Optimizer` reads to skip this epoch's optimizer step.
         """
         with self.get_tensors() as averaged_grads:
@@ -349,8 +351,11 @@ class GradientAverager(upstream.GradientAverager):
         grad_scale = (self._anchor_correction / times) if times != 0 else 0.0
         self._loaded_scale = grad_scale
         with self.get_tensors() as averaged_grads:
-            self._accumulators.scaled_copy_to_(self._averaged_target(averaged_grads), grad_scale)
-            if not self.round_guard.offer_(self.flat_averaged_grads(averaged_grads)):
+            target = self._averaged_target(averaged_grads)
+            # with the averager's own buckets, the check's sums are taken as the copy writes each chunk (in cache)
+            own_buckets = target is self._averaged_buckets
+            checksums = self._accumulators.scaled_copy_to_(target, grad_scale, checksums=own_buckets)
+            if not self.round_guard.offer_(self.flat_averaged_grads(averaged_grads), checksums):
                 self.local_samples_accumulated = 0  # step() then joins the round with weight 0 (and zeros)
 
     def notify_used_averaged_gradients(self):

@@ -10,7 +10,7 @@ bucket) and its ``batched_grad_copy`` (one ``_foreach`` op per bucket instead of
 """
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -229,7 +229,9 @@ class GradientBuckets:
             bucket.flat.zero_()
 
     @torch.no_grad()
-    def scaled_copy_to_(self, destination: Union["GradientBuckets", Sequence[torch.Tensor]], scale: float) -> None:
+    def scaled_copy_to_(
+        self, destination: Union["GradientBuckets", Sequence[torch.Tensor]], scale: float, checksums: bool = False
+    ) -> Optional[torch.Tensor]:
         """
         ``destination[i] = scale * views[i]`` for every i.
 
@@ -238,19 +240,56 @@ class GradientBuckets:
           and dtype, otherwise one bulk copy and one in-place ``mul_``; or one tensor per view, of the same shape,
           on any device: per bucket one fused ``_foreach_copy_`` and one ``_foreach_mul_``.
         :param scale: multiplier, e.g. ``1 / micro_steps`` for averaging-time normalization
+        :param checksums: buckets ``destination`` only: also sum what was written, chunk by chunk while each chunk of
+          the destination is still in cache (:data:`CHECK_CHUNK` elements), instead of a separate read pass
+        :returns: with ``checksums``, a 1-D float32 tensor on the CPU holding the sum of every chunk written (inf or
+          NaN if that chunk holds any: see :func:`hivemind_accum.optim.round_guard.all_finite`); otherwise None
         """
+        if checksums and not isinstance(destination, GradientBuckets):
+            raise ValueError("checksums: needs GradientBuckets as the destination")
         if isinstance(destination, GradientBuckets):
-            for src, dst in zip(self.buckets, destination.buckets):
-                if src.flat.device == dst.flat.device and src.flat.dtype == dst.flat.dtype:
-                    torch.mul(src.flat, scale, out=dst.flat)
-                else:
-                    dst.flat.copy_(src.flat)
-                    dst.flat.mul_(scale)
+            pairs = list(zip(self.buckets, destination.buckets))
+            sums = None
+            if checksums:
+                sums = torch.empty(sum(-(-dst.flat.numel() // CHECK_CHUNK) for _, dst in pairs), dtype=torch.float32)
+                slots = iter(sums.unbind())
+            for src, dst in pairs:
+                if not checksums:
+                    if src.flat.device == dst.flat.device and src.flat.dtype == dst.flat.dtype:
+                        torch.mul(src.flat, scale, out=dst.flat)
+                    else:
+                        dst.flat.copy_(src.flat)
+                        dst.flat.mul_(scale)
+                    continue
+                _scaled_copy_with_checksums(src.flat, dst.flat, scale, slots)
+            return sums
+        for bucket in self.buckets:
+            targets = [destination[i] for i in bucket.indices]
+            torch._foreach_copy_(targets, bucket.views)
+            torch._foreach_mul_(targets, scale)
+        return None
+
+
+# elements per chunk of the averaging-time load's checksums: a chunk of the destination and of the source (float32: 2 x
+# 1 MiB) stay in a core's L2 or L3 cache between the write and the sum (see docs/floor-costs.md)
+CHECK_CHUNK = 1 << 18
+
+
+def _scaled_copy_with_checksums(src: torch.Tensor, dst: torch.Tensor, scale: float, slots: Iterator[torch.Tensor]):
+    """``dst = scale * src`` (1-D buffers of the same length) and, for each chunk of ``dst`` just written, its sum
+    into the next 0-dim float32 tensor of ``slots``: the sum reads the chunk from cache, not memory. Across devices
+    the copy is one bulk transfer first, then the scale and sum go chunk by chunk on ``dst``"""
+    same_device = src.device == dst.device
+    if not same_device:
+        dst.copy_(src)
+    for src_chunk, dst_chunk in zip(src.split(CHECK_CHUNK), dst.split(CHECK_CHUNK)):
+        if same_device and src.dtype == dst.dtype:
+            torch.mul(src_chunk, scale, out=dst_chunk)
         else:
-            for bucket in self.buckets:
-                targets = [destination[i] for i in bucket.indices]
-                torch._foreach_copy_(targets, bucket.views)
-                torch._foreach_mul_(targets, scale)
+            if same_device:
+                dst_chunk.copy_(src_chunk)
+            dst_chunk.mul_(scale)
+        torch.sum(dst_chunk, dim=0, dtype=torch.float32, out=next(slots))
 
 
 def _host_check_is_free(buckets: GradientBuckets) -> bool:

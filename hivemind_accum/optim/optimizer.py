@@ -15,6 +15,7 @@ from torch.amp.grad_scaler import OptState
 
 from hivemind_accum.optim.grad_averager import GradientAverager, is_positive_int
 from hivemind_accum.optim.grad_buckets import check_distinct
+from hivemind_accum.optim.progress_tracker import ProgressTracker
 from hivemind_accum.optim.round_guard import SkipUnusableSteps, all_finite
 from hivemind_accum.optim.state_averager import TrainingStateAverager
 
@@ -107,9 +108,19 @@ class Optimizer(upstream.Optimizer):
         if hasattr(self, "state_averager"):  # a constructor that raised early has nothing to shut down
             super().__del__()
 
-    def _make_progress_tracker(self, target_batch_size: int, **kwargs):
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs) -> ProgressTracker:
+        """upstream's construction (the same arguments) of this package's :class:`ProgressTracker`, whose
+        per-micro-step report builds no pydantic model"""
         self.client_mode = self._client_mode  # see __init__
-        return super()._make_progress_tracker(target_batch_size, **kwargs)
+        return ProgressTracker(
+            dht=self.dht,
+            prefix=self.run_id,
+            target_batch_size=target_batch_size,
+            client_mode=self.client_mode,
+            status_loglevel=self.status_loglevel,
+            start=True,
+            **kwargs,
+        )
 
     def step(
         self,

@@ -6,7 +6,8 @@ element reaches every member of the group, and a weight of 0 does not help: ``0 
 This module knows nothing about hivemind's classes. It gives one check and one small per-averager record:
 
 - :func:`all_finite`: whether a sequence of tensors holds any inf or NaN, with one read-only reduction per tensor
-  (per flat bucket for a ``GradientAverager``'s buffers) and one host read;
+  (per flat bucket for a ``GradientAverager``'s buffers) and one host read, or from sums taken as the tensors were
+  written;
 - :class:`RoundGuard`: what one averager does around a round: before it, :meth:`RoundGuard.offer_` checks this peer's
   own values and replaces non-finite ones by zeros, to be sent with weight 0; after it, :meth:`RoundGuard.accept_`
   checks the result and, if it is not finite, restores this peer's own values from a snapshot kept for that purpose;
@@ -32,7 +33,7 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 @torch.no_grad()
-def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+def all_finite(tensors: Sequence[torch.Tensor], checksums: Optional[torch.Tensor] = None) -> bool:
     """
     Whether every element of every tensor is finite.
 
@@ -43,11 +44,16 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     (e.g. integer counters among optimizer statistics) are always finite and are skipped.
 
     :param tensors: tensors of any shape, dtype and device (flat buffers give one reduction each)
+    :param checksums: sums already taken over all of ``tensors`` (in any partition, e.g. by
+      :meth:`hivemind_accum.optim.grad_buckets.GradientBuckets.scaled_copy_to_` as it wrote them): then the tensors
+      are read again only if one of these sums is not finite (each then checked element by element)
     :returns: False if any element is inf or NaN
     """
     floats = [tensor for tensor in tensors if tensor.is_floating_point() and tensor.numel() > 0]
     if not floats:
         return True
+    if checksums is not None:
+        return bool(checksums.isfinite().all()) or all(bool(torch.isfinite(tensor).all()) for tensor in floats)
     sums = [tensor.sum(dtype=torch.float32 if tensor.dtype in LOW_PRECISION else None) for tensor in floats]
     finite_sums = torch.stack([total.to("cpu", torch.float64) for total in sums]).isfinite().tolist()
     return all(finite or bool(torch.isfinite(tensor).all()) for tensor, finite in zip(floats, finite_sums))
@@ -69,16 +75,17 @@ class RoundGuard:
         self._snapshot: Optional[List[torch.Tensor]] = None
 
     @torch.no_grad()
-    def offer_(self, tensors: Sequence[torch.Tensor]) -> bool:
+    def offer_(self, tensors: Sequence[torch.Tensor], checksums: Optional[torch.Tensor] = None) -> bool:
         """
         Before a round: check this peer's own values, about to be all-reduced; if any is inf or NaN, set all of them
         to zeros (in place) and log a warning. The caller then joins the round with weight 0: the group's average
         is the other members' average, and this peer receives it.
 
         :param tensors: the averager's buffers, already holding this peer's values for the round
+        :param checksums: optional sums of ``tensors`` taken as they were written (see :func:`all_finite`)
         :returns: ``own_finite``: True if the values may be offered with their weight, False if they were zeroed
         """
-        self.own_finite = self.round_usable = all_finite(tensors)
+        self.own_finite = self.round_usable = all_finite(tensors, checksums)
         if not self.own_finite:
             torch._foreach_zero_([tensor for tensor in tensors if tensor.numel() > 0])
             logger.warning(

@@ -257,11 +257,16 @@ SUBJECTS = {
     ),
     "power_sgd_averager": "PowerSGDGradientAverager: flat-buffer accumulation, reset non-finite error feedback",
     "state_averager": "TrainingStateAverager: never offer or take non-finite parameters or statistics",
+    "progress_tracker": "ProgressTracker: build the progress record when it is read, not at every micro-step",
     "optimizer": "Optimizer: sync-free loss scaling, skip non-finite rounds, check arguments, zero_grad in place",
 }
 
 # why a method of hivemind's is kept as a private helper, where the merge's own reason is too terse
 KEPT_HELPERS = {
+    "ProgressTracker._base_report_local_progress": (
+        "the previous report_local_progress, still called for arguments that are not plain non-negative ints, so "
+        "that building the LocalTrainingProgress at once raises the model's ValidationError for them as before"
+    ),
     "Optimizer._base_step": (
         "the new step passes a torch.amp.GradScaler to the micro-step accumulation for the duration of one call only "
         "(set before the previous step runs with grad_scaler=None, cleared in a finally clause), and runs the "

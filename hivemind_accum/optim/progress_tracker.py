@@ -1,0 +1,88 @@
+"""
+:class:`hivemind.optim.progress_tracker.ProgressTracker` whose per-micro-step report costs no pydantic model.
+
+``report_local_progress`` runs on every micro-step of :class:`hivemind.Optimizer`, but peers see the progress only
+when the tracker's reporter thread publishes it. So the reported values are kept as a plain tuple and the
+:class:`LocalTrainingProgress` record is built when it is read (by the reporter thread as it publishes, or by anyone
+reading ``local_progress``): the same fields and values reach the DHT, and every report still wakes the reporter.
+"""
+import logging
+from typing import Optional, Tuple
+
+from hivemind.optim import progress_tracker as upstream
+from hivemind.optim.progress_tracker import LocalTrainingProgress
+from hivemind.utils import get_dht_time, get_logger
+
+logger = get_logger(__name__)
+
+
+class ProgressTracker(upstream.ProgressTracker):
+    """
+    :class:`hivemind.optim.progress_tracker.ProgressTracker` (same arguments and behaviour) whose
+    ``report_local_progress`` accepts what :class:`LocalTrainingProgress` accepts (plain non-negative ints) and stores
+    it without building the record; ``local_progress`` builds one, once per report, when read. Other arguments are
+    validated by building the record at once, which raises its ``ValidationError``.
+    """
+
+    def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
+        """Update the number of locally accumulated samples and notify to other peers about this."""
+        if not (_is_count(local_epoch) and _is_count(samples_accumulated)):
+            return super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
+        epoch, samples = self._progress_record[:2]
+        extra_samples = samples_accumulated - samples
+        if update_global_samples and local_epoch == epoch == self.global_progress.epoch:
+            self.global_progress.samples_accumulated += extra_samples
+            # note: the above line can decrease the number of samples, e.g. if forced to reset due to overflow
+
+        if extra_samples > 0:
+            self.performance_ema.update(task_size=extra_samples)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug(f"Updated performance EMA: {self.performance_ema.samples_per_second:.5f}")
+        else:
+            logger.debug("Resetting performance timestamp to current time (progress was reset)")
+            self.performance_ema.reset_timer()
+
+        speed = self.performance_ema.samples_per_second
+        record = (local_epoch, samples_accumulated, speed, get_dht_time(), self.client_mode)
+        if type(speed) is float and speed >= 0.0:
+            self._progress_record = record
+        else:  # built now: raises the model's ValidationError for what confloat(ge=0, strict=True) rejects
+            self.local_progress = self._build_local_progress(record)
+        self.should_report_progress.set()
+
+    def _read_local_progress(self) -> LocalTrainingProgress:
+        """the record of the last report, built at the first read after it"""
+        record, built = self._progress_record, self._built_progress
+        if built is None or built[0] is not record:
+            built = self._built_progress = (record, self._build_local_progress(record))
+        return built[1]
+
+    def _build_local_progress(self, record: Tuple) -> LocalTrainingProgress:
+        """the :class:`LocalTrainingProgress` of a report's values"""
+        epoch, samples, speed, time, client_mode = record
+        return LocalTrainingProgress(
+            peer_id=self.dht.peer_id.to_bytes(), epoch=epoch, samples_accumulated=samples, samples_per_second=speed,
+            time=time, client_mode=client_mode,
+        )
+
+    def _write_local_progress(self, progress: LocalTrainingProgress) -> None:
+        record = (progress.epoch, progress.samples_accumulated, progress.samples_per_second, progress.time,
+                  progress.client_mode)
+        self._progress_record: Tuple = record
+        self._built_progress: Optional[Tuple[Tuple, LocalTrainingProgress]] = (record, progress)
+
+    local_progress = property(_read_local_progress, _write_local_progress, doc="this peer's last reported progress")
+
+    @property
+    def ready_to_update_epoch(self) -> bool:
+        """Whether or not this peer can increment epoch right away."""
+        return (
+            self.global_epoch > self._progress_record[0]
+            or self.global_progress.samples_accumulated >= self.target_batch_size
+            or get_dht_time() >= self.global_progress.eta_next_epoch
+        )
+
+
+def _is_count(value) -> bool:
+    """what ``conint(ge=0, strict=True)`` accepts, for plain ints (a subclass of int is validated by the model)"""
+    return type(value) is int and value >= 0
