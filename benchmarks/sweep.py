@@ -1,6 +1,6 @@
 """
 Sweep model sizes and accumulation implementations, each configuration in its own fresh process, and write the
-results as JSON, a markdown table and the slowdown report's two figures.
+results as JSON, a markdown table and hivemind#566's two figures.
 
 Processes alternate between implementations round by round (native, upstream, exact, inplace, then the reverse
 order), so slow drift of the machine spreads over all of them; every reported number is a median over all measured
@@ -24,7 +24,7 @@ Run: ``python -m benchmarks.sweep`` (all sizes; about 10 minutes on 2 CPU cores)
 precision rows of the README: ``python -m benchmarks.sweep --models linear-10m linear-10m:bf16 linear-10m:fp16
 --name sweep_precision_cpu --no-plot``.
 
-On a GPU, ``--device cuda --preset report`` runs the slowdown report's setting (ResNet-152 and ConvNeXt-Large, batch
+On a GPU, ``--device cuda --preset report`` runs hivemind#566's setting (ResNet-152 and ConvNeXt-Large, batch
 32 of 224x224 images, fp16 autocast with loss scaling, ``target_batch_size=32768``) for native, upstream default,
 upstream ``reuse_grad_buffers=True``, exact and in place, and reports local throughput relative to native (each
 sample a window of ``--steps`` micro-steps with one synchronize at its end), the no-sync step's host time, host
@@ -244,7 +244,7 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", help=f"linear-<N>m, resnet152, convnext-large (default: "
                         f"{' '.join(DEFAULT_MODELS)}; with --preset report: {' '.join(REPORT_MODELS)})")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: %(default)s")
-    parser.add_argument("--preset", choices=PRESETS, help="report: the slowdown report's setting (batch 32 of 224x224 "
+    parser.add_argument("--preset", choices=PRESETS, help="report: hivemind#566's setting (batch 32 of 224x224 "
                         "images, fp16 AMP with loss scaling, target 32768) with upstream reuse_grad_buffers=True too")
     parser.add_argument("--impls", nargs="+", choices=REPORT_IMPLEMENTATIONS,
                         help="implementations (default: native upstream exact inplace; with --preset, all five)")
