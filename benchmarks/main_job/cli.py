@@ -101,8 +101,9 @@ def run_large(args: argparse.Namespace, run_dir: str) -> None:
     print(f"JSON: {output}")
 
 
-def train_all(args: argparse.Namespace, log_dir: str, progress: Callable[[str], None]) -> List[dict]:
-    """sections 2 to 4: native in two processes at once, then the peers through every hivemind run"""
+def train_all(args: argparse.Namespace, log_dir: str, progress: Callable[[str], None], seconds: dict) -> List[dict]:
+    """sections 2 to 4: native in two processes at once, then the peers through every hivemind run; wall seconds of
+    each group of processes go to ``seconds``"""
     common = dict(
         num_peers=args.num_peers, micro_batch_size=args.micro_batch_size, epochs=args.epochs,
         micro_steps_per_epoch=args.micro_steps_per_epoch, lr=args.lr, matchmaking_time=args.matchmaking_time,
@@ -113,7 +114,9 @@ def train_all(args: argparse.Namespace, log_dir: str, progress: Callable[[str], 
     results = []
     if {"training", "framework"} & set(sections):  # nonfinite compares hivemind modes only
         progress("[native] the training and framework loops at the same time, one process each")
+        started = time.perf_counter()
         results += [result for result in run_native(common, args.timeout) if result["runs"][0]["section"] in sections]
+        seconds["native"] = time.perf_counter() - started
     runs = []
     if "training" in sections:
         runs += [("training", key) for key in ("upstream", "exact", "upstream_reuse", "inplace")]
@@ -125,7 +128,9 @@ def train_all(args: argparse.Namespace, log_dir: str, progress: Callable[[str], 
         config = TrainConfig(runs=tuple(runs), **common)
         progress(f"[peers] {args.num_peers} peers, target_batch_size={config.target_batch_size}, {len(runs)} runs in "
                  f"turn: {'; '.join(run_label(*run) for run in runs)}")
+        started = time.perf_counter()
         results += run_peers(config, args.timeout * len(runs))
+        seconds["peers"] = time.perf_counter() - started
     return results
 
 
@@ -141,17 +146,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return run_large(args, run_dir)
     os.environ.update(MALLOC_ENV)  # every process started from here on: the sweep's allocator settings
     started, progress = time.perf_counter(), progress_printer(args.verbose)
-    print(f"hivemind_accum main job: {LEGEND}", flush=True)
-    work_rows = []
+    print(LEGEND, flush=True)
+    work_rows, seconds = [], {}
     if "work" in args.sections:
         config = WorkConfig(steps=args.work_steps, warmup=args.work_warmup, fp16_steps=args.work_fp16_steps,
                             batch_size=4, threads=1)
         work_rows = run_work(config, run_dir, args.timeout, progress)
+        seconds["work"] = time.perf_counter() - started
         progress("")
         print(f"\nWork per no-sync micro-step, one process per mode in turn ({work_rows[0]['params'] / 1e6:.1f} M "
               f"parameters in {work_rows[0]['tensors']} tensors; fp32 unless fp16):\n"
               f"{format_table(work_rows, WORK_COLUMNS)}", flush=True)
-    training_rows = summarize_training(train_all(args, run_dir, progress))
+    training_rows = summarize_training(train_all(args, run_dir, progress, seconds))
     progress("")
     if training_rows:
         print(f"\nTraining on scikit-learn digits, {args.epochs} optimizer steps of "
@@ -175,8 +181,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         mode=args.models,
         config={key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
         versions=dict(torch=torch.__version__, hivemind=hivemind.__version__, hivemind_accum=hivemind_accum.__version__),
-        wall_s=wall_seconds, work=work_rows, training=training_rows, claims=claims, log=log_counts,
+        wall_s=wall_seconds, section_s=seconds, work=work_rows, training=training_rows, claims=claims, log=log_counts,
     )
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"total wall time {wall_seconds:.0f} s; JSON with per-run detail: {output}", flush=True)
+    parts = ", ".join(f"{name} {value:.0f} s" for name, value in seconds.items())
+    print(f"JSON with per-run detail: {output}\n"
+          f"total wall time {wall_seconds:.0f} s ({parts}); docs/benchmarks.md explains every number", flush=True)

@@ -52,8 +52,7 @@ MODES = {
     )
 }
 LEGEND = (
-    "upstream = hivemind.Optimizer 1.1.12, accum = hivemind_accum.Optimizer, "
-    "reuse / in place = reuse_grad_buffers=True"
+    "upstream: hivemind.Optimizer 1.1.12; accum: hivemind_accum.Optimizer; reuse, in place: reuse_grad_buffers=True"
 )
 
 

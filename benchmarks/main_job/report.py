@@ -48,9 +48,7 @@ def format_table(rows: Sequence[Dict[str, Any]], columns: Sequence[Tuple[str, st
     header = [title for _, title, _ in columns]
     cells = [[fmt.format(row[key]) if row.get(key) is not None else "n/a" for key, _, fmt in columns] for row in rows]
     widths = [max(len(line[i]) for line in [header] + cells) for i in range(len(header))]
-    lines = ["  ".join(text.rjust(width) for text, width in zip(line, widths)) for line in [header] + cells]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(lines)
+    return "\n".join("  ".join(text.rjust(width) for text, width in zip(line, widths)) for line in [header] + cells)
 
 
 def format_claims(claims: Sequence[Dict[str, Any]]) -> str:
@@ -88,9 +86,8 @@ def count_log_errors(log_dir: str) -> Dict[str, Any]:
 def describe_logs(log_dir: str, counts: Dict[str, Any]) -> List[str]:
     """lines saying where hivemind's log is and explaining each kind of [ERROR] line in it"""
     reasons = dict(KNOWN_ERRORS)
-    lines = [f"hivemind's log: {log_dir} ({counts['destroyed']} x 'Task was destroyed but it is pending!' at shutdown)"]
+    errors = "" if counts["errors"] else "; no [ERROR] lines"
+    lines = [f"hivemind's log: {log_dir} ({counts['destroyed']} x 'Task was destroyed but it is pending!'{errors})"]
     for text, count in sorted(counts["errors"].items(), key=lambda item: -item[1]):
         lines.append(f"  {count} x [ERROR] '{text}': {reasons.get(text, 'not explained: please report it')}"[:WIDTH])
-    if not counts["errors"]:
-        lines.append("  no [ERROR] lines")
     return lines
