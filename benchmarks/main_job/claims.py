@@ -105,8 +105,8 @@ def make_claims(work: Dict[str, Dict[str, Any]], training: Dict[Tuple[str, str],
             a, b = training[(section, ours)]["test_accuracy"], training[(section, theirs)]["test_accuracy"]
             claim(f"{section}: {MODES[ours].label} test accuracy at least {MODES[theirs].label}'s - "
                   f"{ACCURACY_TOLERANCE}", a, b, "{:.3f}", a >= b - ACCURACY_TOLERANCE,
-                  lambda: f"{b - a:.3f} lower; hivemind's asynchronous epochs make runs of one mode differ, by up to "
-                          f"about {ACCURACY_TOLERANCE} on an idle machine and more on a busy one: rerun")
+                  lambda: f"{b - a:.3f} lower; runs of one mode differ by up to about {ACCURACY_TOLERANCE} "
+                          f"(more on a busy machine): rerun")
 
     sends_the_mean("training", "exact", "upstream")
     sends_the_mean("training", "inplace", "upstream_reuse")

@@ -58,7 +58,7 @@ def format_claims(claims: Sequence[Dict[str, Any]]) -> str:
     for c in claims:
         lines.append(f"{'holds' if c['holds'] else 'does not hold':<13}  {c['text']}: {c['a']} vs {c['b']}")
         if not c["holds"]:
-            lines.append(f"{'':13}  why: {c['why']}")
+            lines.append(f"{'':13}  why: {c['why']}"[:WIDTH])
     return "\n".join(lines)
 
 
