@@ -108,8 +108,16 @@ def run(
     impl: str, model_name: str, steps: int, warmup: int, batch_size: int, threads: int, precision: str = "fp32",
     device: str = "cpu", windows: int = 1, image_size: int = 32, target_batch_size: int = 10**9,
 ) -> dict:
-    """one configuration; see the module docstring for what is measured. ``steps`` is per sample on the CPU and per
-    window on CUDA"""
+    """
+    Measure one configuration in this process: warm up, time the micro-steps, profile one no-sync step, time the load.
+
+    :param impl: one of :data:`REPORT_IMPLEMENTATIONS` or :data:`CONTROLS`
+    :param model_name: a :func:`benchmarks.models.build_model` name
+    :param steps: measured micro-steps: one sample each on the CPU, one window on CUDA
+    :param windows: CUDA only: timed windows of ``steps`` micro-steps
+    :param target_batch_size: the swarm's target, never reached (asserted)
+    :returns: the measurements, as the module docstring describes them
+    """
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = build_model(model_name).to(device)
@@ -214,7 +222,13 @@ class _nothing:
 
 
 def count_work(micro_step, device: str) -> dict:
-    """profile one more no-sync step (the ``step`` call alone), then count sync warnings during another one"""
+    """
+    Count what one no-sync step does: profile the ``step`` call of one more micro-step, then, on CUDA, count the
+    synchronizing calls ``torch.cuda.set_sync_debug_mode("warn")`` reports during another.
+
+    :param micro_step: the worker's micro-step, taking ``during_step`` (a context manager factory around ``step``)
+    :returns: :func:`count_events` of the profile, plus ``sync_warnings`` (``None`` on the CPU)
+    """
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])

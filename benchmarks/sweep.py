@@ -218,6 +218,7 @@ def plot(rows: List[dict], output_dir: str, title_suffix: str) -> List[str]:
 
 
 def machine_description(threads: int, device: str = "cpu") -> str:
+    """one line naming the machine, torch, threads, Python and allocator settings, for the results' header"""
     gpu = f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}, " if device == "cuda" else ""
     return (
         f"{gpu}{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {threads} intra-op "
