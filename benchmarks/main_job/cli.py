@@ -49,7 +49,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--work-warmup", type=int, default=10, help="work: fp32 warm-up micro-steps (default: 10)")
     parser.add_argument("--work-fp16-steps", type=int, default=8, help="work: measured fp16 micro-steps (default: 8)")
     parser.add_argument("--num-peers", type=int, default=2, help="training: hivemind peers (default: 2)")
-    parser.add_argument("--micro-batch-size", type=int, default=32, help="training: samples per micro-step (default: 32)")
+    parser.add_argument("--micro-batch-size", type=int, default=32,
+                        help="training: samples per micro-step (default: 32)")
     parser.add_argument("--epochs", type=int, default=12, help="training: optimizer steps per run (default: 12)")
     parser.add_argument("--micro-steps-per-epoch", type=int, default=6,
                         help="training: micro-steps per peer per epoch; target_batch_size = num_peers * this * "
@@ -60,7 +61,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--matchmaking-time", type=float, default=1.0, help="seconds (default: 1)")
     parser.add_argument("--averaging-timeout", type=float, default=10.0, help="seconds (default: 10)")
     parser.add_argument("--threads", type=int, help="training: torch threads per process (default: CPU cores / peers)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of split, shards, batch order and weights (default: 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of split, shards, batch order and weights (default: 0)")
     parser.add_argument("--loss-window", type=int, default=20,
                         help="last micro-batches averaged into the final loss (default: 20)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed for each group of processes")
@@ -180,7 +182,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     report = dict(
         mode=args.models,
         config={key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
-        versions=dict(torch=torch.__version__, hivemind=hivemind.__version__, hivemind_accum=hivemind_accum.__version__),
+        versions=dict(
+            torch=torch.__version__, hivemind=hivemind.__version__, hivemind_accum=hivemind_accum.__version__
+        ),
         wall_s=wall_seconds, section_s=seconds, work=work_rows, training=training_rows, claims=claims, log=log_counts,
     )
     output.parent.mkdir(parents=True, exist_ok=True)

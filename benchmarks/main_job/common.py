@@ -38,7 +38,9 @@ class Mode:
     @property
     def amp_scaler(self) -> Callable[[], torch.amp.GradScaler]:
         """the loss scaler this mode requires on CPU: hivemind.GradScaler with reuse_grad_buffers=True"""
-        return (lambda: hivemind.GradScaler("cpu")) if self.reuse_grad_buffers else (lambda: torch.amp.GradScaler("cpu"))
+        if self.reuse_grad_buffers:
+            return lambda: hivemind.GradScaler("cpu")
+        return lambda: torch.amp.GradScaler("cpu")
 
 
 MODES = {
@@ -91,7 +93,8 @@ def run_processes(label: str, targets: Sequence[Tuple[Callable, tuple]], timeout
     context = mp.get_context("spawn")
     results = context.Queue()
     processes = [
-        context.Process(target=target, args=(*args, results), name=f"{label}-{i}") for i, (target, args) in enumerate(targets)
+        context.Process(target=target, args=(*args, results), name=f"{label}-{i}")
+        for i, (target, args) in enumerate(targets)
     ]
     for process in processes:
         process.start()

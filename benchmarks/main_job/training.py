@@ -206,7 +206,8 @@ def train_peer(config: TrainConfig, peer_index: int, bootstrap: mp.Queue, barrie
             errors = check.errors
             reports.append(dict(
                 section=section, mode=key, peer=peer_index, poisoned=poisoned,
-                finite=all(bool(p.isfinite().all()) for p in model.parameters()), train_s=train_seconds, setup_s=setup_seconds, swarm_wait_s=swarm_wait,
+                finite=all(bool(p.isfinite().all()) for p in model.parameters()), train_s=train_seconds,
+                setup_s=setup_seconds, swarm_wait_s=swarm_wait,
                 shutdown_s=shutdown_seconds, micro_steps=len(losses), epochs=epochs, round_step_s=round_steps,
                 no_sync_step_s=no_sync_steps,
                 final_loss=statistics.mean(losses[-config.loss_window :]),
@@ -236,7 +237,9 @@ def run_native(common: Dict[str, Any], timeout: float) -> List[Dict[str, Any]]:
     :param timeout: seconds allowed for both
     :returns: their result dicts
     """
-    targets = [(train_native, (TrainConfig(runs=((section, "native"),), **common),)) for section in ("training", "framework")]
+    targets = [
+        (train_native, (TrainConfig(runs=((section, "native"),), **common),)) for section in ("training", "framework")
+    ]
     return run_processes("native", targets, timeout)
 
 
