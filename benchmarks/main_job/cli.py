@@ -162,9 +162,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     training_rows = summarize_training(train_all(args, run_dir, progress, seconds))
     progress("")
     if training_rows:
-        print(f"\nTraining on scikit-learn digits, {args.epochs} optimizer steps of "
+        print(f"\nTraining on digits: {args.epochs} optimizer steps of "
               f"{args.num_peers * args.micro_steps_per_epoch * args.micro_batch_size} samples, {args.num_peers} peers per "
-              f"hivemind mode (nonfinite: {args.nonfinite_epochs} steps, the healthy peer):\n"
+              f"hivemind mode (nonfinite: {args.nonfinite_epochs} steps, healthy peer):\n"
               f"{format_table(training_rows, TRAINING_COLUMNS)}", flush=True)
     if args.verbose:
         for row in training_rows:
@@ -176,9 +176,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     print(f"\nClaims ({len(claims)}, {sum(not c['holds'] for c in claims)} do not hold):\n{format_claims(claims)}\n")
     log_counts = count_log_errors(run_dir)
-    print("\n".join(describe_logs(run_dir, log_counts)))
-    wall_seconds = time.perf_counter() - started
     output = args.output or Path(run_dir) / "local_accumulation.json"
+    what = "hivemind's log and this run's JSON" if args.output is None else "hivemind's log"
+    print("\n".join(describe_logs(run_dir, log_counts, what)))
+    wall_seconds = time.perf_counter() - started
     report = dict(
         mode=args.models,
         config={key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
@@ -190,5 +191,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")
     parts = ", ".join(f"{name} {value:.0f} s" for name, value in seconds.items())
-    print(f"JSON with per-run detail: {output}\n"
-          f"total wall time {wall_seconds:.0f} s ({parts}); docs/benchmarks.md explains every number", flush=True)
+    if args.output is not None:
+        print(f"JSON with per-run detail: {output}")
+    print(f"total wall time {wall_seconds:.0f} s ({parts}); docs/benchmarks.md explains every number", flush=True)

@@ -35,6 +35,7 @@ KNOWN_ERRORS = (
     ("could not find a group", "a round found no partner in time; that peer used its local gradients"),
     # [Errno 2] No such file or directory, or [Errno 104] Connection reset by peer
     ("[hivemind.dht.dht._run:130]", "the DHT read a request after its sender exited (UPSTREAM.md)"),
+    ("Unable to run All-Reduce", "an all-reduce failed midway (a peer was late); that round stayed local"),
 )
 
 
@@ -83,11 +84,16 @@ def count_log_errors(log_dir: str) -> Dict[str, Any]:
     return dict(errors=dict(errors), destroyed=destroyed)
 
 
-def describe_logs(log_dir: str, counts: Dict[str, Any]) -> List[str]:
-    """lines saying where hivemind's log is and explaining each kind of [ERROR] line in it"""
+def describe_logs(log_dir: str, counts: Dict[str, Any], what: str = "hivemind's log") -> List[str]:
+    """
+    Say where hivemind's log is and explain each kind of [ERROR] line in it.
+
+    :param counts: :func:`count_log_errors` of ``log_dir``
+    :param what: what the folder holds, as the first line names it
+    """
     reasons = dict(KNOWN_ERRORS)
-    errors = "" if counts["errors"] else "; no [ERROR] lines"
-    lines = [f"hivemind's log: {log_dir} ({counts['destroyed']} x 'Task was destroyed but it is pending!'{errors})"]
+    errors = "" if counts["errors"] else ", no [ERROR]"
+    lines = [f"{what}: {log_dir} ({counts['destroyed']} x 'Task was destroyed'{errors})"]
     for text, count in sorted(counts["errors"].items(), key=lambda item: -item[1]):
         lines.append(f"  {count} x [ERROR] '{text}': {reasons.get(text, 'not explained: please report it')}"[:WIDTH])
     return lines
