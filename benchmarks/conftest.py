@@ -9,7 +9,7 @@ from pytest_benchmark.utils import get_tag
 from benchmarks.micro_step_worker import IMPLEMENTATIONS, REPORT_IMPLEMENTATIONS
 from benchmarks.sweep import DEFAULT_MODELS, REPORT_MODELS, run_sweep
 
-# HIVEMIND_ACCUM_BENCH_DEVICE=cuda: the slowdown report's setting (ResNet-152 and ConvNeXt-Large, batch 32 of 224x224,
+# HIVEMIND_ACCUM_BENCH_DEVICE=cuda: hivemind#566's setting (ResNet-152 and ConvNeXt-Large, batch 32 of 224x224,
 # fp16 AMP with loss scaling) with upstream reuse_grad_buffers=True too; each sample a window of 30 micro-steps
 BENCH_DEVICE = os.environ.get("HIVEMIND_ACCUM_BENCH_DEVICE", "cpu")
 # one row per precision (ratios to native accumulation in the same precision) on the smallest model

@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# The one prepared command for a session lent a GPU (see the README, "Measured on GPU"):
+# The GPU benchmark in one command (docs/gpu.md). On a CUDA machine with the requirements installed:
 #
-#   benchmarks/gpu_run.sh OUTDIR          on the GPU machine (estimated 5-7 minutes on one H200; bounded to 10 by
-#                                         the stages' timeouts)
-#   benchmarks/gpu_run.sh OUTDIR --check  here, on the CPU: the same stages on a small model and few steps, to check
-#                                         the plumbing before a device minute is spent (about 3 minutes on 2 cores)
+#   benchmarks/gpu_run.sh OUTDIR          the GPU run (about 5-7 minutes on one H200; the stages' timeouts bound it
+#                                         to 10)
+#   benchmarks/gpu_run.sh OUTDIR --check  on any CPU: the same stages on a small model and few steps, to check the
+#                                         plumbing first (about 80 s on 2 cores; its numbers mean nothing)
+#
+# Optional, for a machine without network access: if hivemind cannot be imported and a folder .whl/ exists in the
+# repository root, the script installs the wheels in it into /tmp/site. Build that folder on a machine with network
+# access and the same Python version, e.g. `pip wheel -r requirements-dev.txt --no-deps -w .whl` (leave torch out
+# if the GPU machine has its own), and copy it along.
 #
 # Stages, each logged to OUTDIR/gpu_run.log and none stopping the next when it fails:
-#   0. install the carried wheels (.whl/, made here by ../shared/device/fetch_wheels.sh) into /tmp/site when hivemind
-#      is missing, then fail fast unless torch sees CUDA and a hivemind DHT starts (its p2pd daemon)
+#   0. install the wheels in .whl/ into /tmp/site if hivemind is missing (see above), then fail fast unless torch
+#      sees CUDA and a hivemind DHT starts (its p2pd daemon)
 #   1. CUDA tests: tests/test_cost_guards.py and tests/test_mixed_precision.py (their CUDA cases run only there)
-#   2. the slowdown report's setting on ResNet-152 and ConvNeXt-Large (python -m benchmarks.sweep --device cuda
+#   2. hivemind#566's setting on ResNet-152 and ConvNeXt-Large (python -m benchmarks.sweep --device cuda
 #      --preset report): native, upstream default, upstream reuse_grad_buffers=True, exact, in place, each in its own
 #      fresh process, alternating; JSON, markdown table and the two figures into OUTDIR
 #   3. the pytest-benchmark targets checked on the same samples (HIVEMIND_ACCUM_BENCH_RESULTS)
@@ -34,13 +39,13 @@ if [ "$MODE" = "--check" ]; then
 else
   DEVICE=cuda; MODELS="resnet152 convnext-large"; ROUNDS=${ROUNDS:-1}; STEPS=${STEPS:-30}; WINDOWS=${WINDOWS:-3}
   WARMUP=10; THREADS=8
-  # the CUDA cases and the device-parametrized guards; the CPU-only peers' tests run in CI on the CPU machine
+  # the CUDA cases and the device-parametrized guards; the CPU-only peers' tests run in CI
   TEST_SELECTION=(-k "cuda or cost or guard or dropped or unscaled")
 fi
 
 stage "0. environment"
 if ! "$PYTHON" -c "import hivemind" 2>/dev/null; then
-  [ -d .whl ] || { echo "hivemind is missing and there is no .whl/: run ../shared/device/fetch_wheels.sh here and carry .whl"; exit 1; }
+  [ -d .whl ] || { echo "hivemind is missing: install requirements-dev.txt, or put its wheels in .whl/ (see the header)"; exit 1; }
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
@@ -63,7 +68,7 @@ timeout 180 "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_cost_guard
   "${TEST_SELECTION[@]}" --junitxml="$OUT/cuda_tests.xml"
 echo "tests exit status: $?"
 
-stage "2. the slowdown report's setting on $DEVICE: $MODELS"
+stage "2. hivemind#566's setting on $DEVICE: $MODELS"
 # shellcheck disable=SC2086
 timeout 330 "$PYTHON" -m benchmarks.sweep --device "$DEVICE" --preset report --models $MODELS --rounds "$ROUNDS" \
   --steps "$STEPS" --windows "$WINDOWS" --warmup "$WARMUP" --threads "$THREADS" --output-dir "$OUT" --name "sweep_$DEVICE"

@@ -21,7 +21,7 @@ once per optimizer step, not in a no-sync micro-step), upstream and exact call `
 ``scaler.update()`` with ``torch.amp.GradScaler`` (upstream's recommendation without ``reuse_grad_buffers``), and
 upstream_reuse and inplace do the same with ``hivemind.GradScaler`` (required there).
 
-Every hivemind variant uses the slowdown report's configuration: fp16 gradient compression, offloaded optimizer,
+Every hivemind variant uses hivemind#566's configuration: fp16 gradient compression, offloaded optimizer,
 delayed optimizer step and state averaging, ``matchmaking_time=5``; one peer whose target batch size is never
 reached. ``--preset report`` is the report's whole setting: batch 32 of 224x224 images, fp16 autocast with loss
 scaling, ``target_batch_size=32768`` (run it with ``--model resnet152`` or ``--model convnext-large``).
@@ -62,10 +62,11 @@ CONTROLS = ("native_hivemind",)
 IN_PLACE_LOOPS = ("upstream_reuse", "inplace")  # no zero_grad: autograd accumulates into .grad; hivemind.GradScaler
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICES = ("cpu", "cuda")
-# the slowdown report's setting: batch 32 of 224x224 images, fp16 AMP, target 32768 samples
+# hivemind#566's setting: batch 32 of 224x224 images, fp16 AMP, target 32768 samples
 PRESETS = {"report": dict(batch_size=32, image_size=224, precision="fp16", target_batch_size=32768)}
 WORK_KEYS = ("top_level_ops", "kernels", "host_reads", "device_syncs", "sync_warnings")
 SYNC_RUNTIME_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+HOST_READ = "aten::_local_scalar_dense"  # what .item(), bool(tensor) and tensor.tolist() of a scalar end in
 
 
 def _synchronize(device: str) -> None:
@@ -73,12 +74,50 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def report_configuration() -> dict:
+    """
+    hivemind#566's :class:`hivemind.Optimizer` arguments that a CPU allows.
+
+    :returns: fp16 gradient compression, offloaded optimizer, delayed optimizer step and state averaging, quiet
+    """
+    from hivemind.compression import Float16Compression
+
+    return dict(
+        grad_compression=Float16Compression(), offload_optimizer=True, delay_optimizer_step=True,
+        delay_state_averaging=True, verbose=False,
+    )
+
+
+def count_events(events) -> dict:
+    """
+    Count the work in a :mod:`torch.profiler` trace.
+
+    :param events: ``profile.events()``
+    :returns: ``top_level_ops`` (aten operators without a parent, as ``tests/test_cost_guards.py`` counts them),
+      ``kernels`` (device activities), ``host_reads`` (``.item()``, ``bool(tensor)``) and ``device_syncs``
+    """
+    return dict(
+        top_level_ops=sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::")),
+        kernels=sum(1 for e in events if e.device_type != torch.autograd.DeviceType.CPU),
+        host_reads=sum(1 for e in events if e.name == HOST_READ),
+        device_syncs=sum(1 for e in events if e.name in SYNC_RUNTIME_CALLS),
+    )
+
+
 def run(
     impl: str, model_name: str, steps: int, warmup: int, batch_size: int, threads: int, precision: str = "fp32",
     device: str = "cpu", windows: int = 1, image_size: int = 32, target_batch_size: int = 10**9,
 ) -> dict:
-    """one configuration; see the module docstring for what is measured. ``steps`` is per sample on the CPU and per
-    window on CUDA"""
+    """
+    Measure one configuration in this process: warm up, time the micro-steps, profile one no-sync step, time the load.
+
+    :param impl: one of :data:`REPORT_IMPLEMENTATIONS` or :data:`CONTROLS`
+    :param model_name: a :func:`benchmarks.models.build_model` name
+    :param steps: measured micro-steps: one sample each on the CPU, one window on CUDA
+    :param windows: CUDA only: timed windows of ``steps`` micro-steps
+    :param target_batch_size: the swarm's target, never reached (asserted)
+    :returns: the measurements, as the module docstring describes them
+    """
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = build_model(model_name).to(device)
@@ -86,7 +125,6 @@ def run(
     opt = dht = None
     if impl != "native":
         import hivemind
-        from hivemind.compression import Float16Compression
 
         import hivemind_accum
 
@@ -96,8 +134,7 @@ def run(
             dht=dht, run_id=f"bench_{impl}", params=model.parameters(),
             optimizer=lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
             target_batch_size=target_batch_size, batch_size_per_step=batch_size,
-            reuse_grad_buffers=impl in IN_PLACE_LOOPS, grad_compression=Float16Compression(), offload_optimizer=True,
-            delay_optimizer_step=True, delay_state_averaging=True, matchmaking_time=5.0, verbose=False,
+            reuse_grad_buffers=impl in IN_PLACE_LOOPS, matchmaking_time=5.0, **report_configuration(),
         )
     scaler = None
     if precision == "fp16" and impl in IN_PLACE_LOOPS:
@@ -185,7 +222,13 @@ class _nothing:
 
 
 def count_work(micro_step, device: str) -> dict:
-    """profile one more no-sync step (the ``step`` call alone), then count sync warnings during another one"""
+    """
+    Count what one no-sync step does: profile the ``step`` call of one more micro-step, then, on CUDA, count the
+    synchronizing calls ``torch.cuda.set_sync_debug_mode("warn")`` reports during another.
+
+    :param micro_step: the worker's micro-step, taking ``during_step`` (a context manager factory around ``step``)
+    :returns: :func:`count_events` of the profile, plus ``sync_warnings`` (``None`` on the CPU)
+    """
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -198,13 +241,7 @@ def count_work(micro_step, device: str) -> dict:
     micro_step(during_step=profiled)
     _synchronize(device)
     events = holder["prof"].events()
-    work = dict(
-        top_level_ops=sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::")),
-        kernels=sum(1 for e in events if e.device_type != torch.autograd.DeviceType.CPU),
-        host_reads=sum(1 for e in events if e.name == "aten::_local_scalar_dense"),
-        device_syncs=sum(1 for e in events if e.name in SYNC_RUNTIME_CALLS),
-        sync_warnings=None,
-    )
+    work = dict(count_events(events), sync_warnings=None)
     if device == "cuda":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -230,7 +267,7 @@ def main(argv=None):
     parser.add_argument("--impl", choices=REPORT_IMPLEMENTATIONS + CONTROLS, required=True)
     parser.add_argument("--model", default="linear-100m")
     parser.add_argument("--device", choices=DEVICES, default="cpu")
-    parser.add_argument("--preset", choices=PRESETS, help="the slowdown report's setting (overrides batch size, "
+    parser.add_argument("--preset", choices=PRESETS, help="hivemind#566's setting (overrides batch size, "
                         "image size, precision and target batch size)")
     parser.add_argument("--steps", type=int, default=10, help="measured micro-steps (per window on CUDA)")
     parser.add_argument("--windows", type=int, default=1, help="CUDA: timed windows of --steps micro-steps")

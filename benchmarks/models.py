@@ -47,7 +47,7 @@ def make_inputs(
     a batch of random inputs for :func:`build_model`'s model ``name``, drawn on ``device`` from ``generator`` (a
     generator of that device)
 
-    :param image_size: side of the square 3-channel images for resnet152 and convnext-large (the slowdown report used
+    :param image_size: side of the square 3-channel images for resnet152 and convnext-large (hivemind#566 used
       224); ignored for linear models, whose inputs are ``(batch_size, 2048)``
     """
     if name.startswith("mlp-"):

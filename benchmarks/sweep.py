@@ -1,34 +1,17 @@
 """
-Sweep model sizes and accumulation implementations, each configuration in its own fresh process, and write the
-results as JSON, a markdown table and the slowdown report's two figures.
+Sweep model sizes and accumulation implementations, each configuration in its own fresh process; write JSON, a
+markdown table and hivemind#566's two figures.
 
-Processes alternate between implementations round by round (native, upstream, exact, inplace, then the reverse
-order), so slow drift of the machine spreads over all of them; every reported number is a median over all measured
-micro-steps of all rounds. One process runs one configuration: a training process never mixes variants, and
-allocator state left by one variant would hide another's cost.
-
-Every worker runs with the same glibc allocator settings (:data:`MALLOC_ENV`): a large mmap threshold and trim
-threshold, so freed memory stays in the heap. With glibc's defaults the result depends on which process happens to
-trigger heap trimming: measured here, native accumulation on ConvNeXt-Large faulted in about 350 000 pages per
-micro-step (460 ms of system time, 1.12 s per micro-step), while the same loop after ``hivemind.Optimizer``'s
-initialization faulted almost none (0.74 s); with these settings both take 0.72 s. The ratios then measure
-accumulation work, not allocator luck. Each worker warms up for 10 micro-steps: per-micro-step rusage showed some
-hivemind processes still growing their heap (4 000-16 000 fresh pages, 16-64 MB, per micro-step, 10-50 ms of system
-time) until about the 10th micro-step, while native processes settle after 1-2; measured earlier, that read as
-in-place mode running 1.05-1.38x native.
+Processes alternate between implementations round by round; every number is a median over all measured micro-steps
+of all rounds. Every worker runs with the allocator settings :data:`MALLOC_ENV`. Why, and how each number is
+measured: docs/benchmarks.md.
 
 A model name may carry a precision, ``<model>:<precision>`` with precision ``fp32`` (default), ``bf16`` or ``fp16``
 (see :mod:`benchmarks.micro_step_worker`); ratios are then to native accumulation in the same precision.
 
-Run: ``python -m benchmarks.sweep`` (all sizes; about 10 minutes on 2 CPU cores), ``--help`` for options. The
-precision rows of the README: ``python -m benchmarks.sweep --models linear-10m linear-10m:bf16 linear-10m:fp16
---name sweep_precision_cpu --no-plot``.
-
-On a GPU, ``--device cuda --preset report`` runs the slowdown report's setting (ResNet-152 and ConvNeXt-Large, batch
-32 of 224x224 images, fp16 autocast with loss scaling, ``target_batch_size=32768``) for native, upstream default,
-upstream ``reuse_grad_buffers=True``, exact and in place, and reports local throughput relative to native (each
-sample a window of ``--steps`` micro-steps with one synchronize at its end), the no-sync step's host time, host
-synchronizations, kernel launches and peak device memory; ``benchmarks/gpu_run.sh`` is the prepared command.
+Run: ``python -m benchmarks.sweep`` (all sizes; about 10 minutes on 2 CPU cores), ``--help`` for options. On a GPU,
+``--device cuda --preset report`` runs hivemind#566's setting; ``benchmarks/gpu_run.sh`` is the prepared command
+(docs/gpu.md).
 """
 import argparse
 import json
@@ -92,9 +75,12 @@ def run_sweep(
     partial_path: Optional[str] = None,
 ) -> Dict[str, Dict[str, List[dict]]]:
     """
+    Run every (model, implementation) configuration ``rounds`` times, each in a fresh process, alternating.
+
     :param partial_path: if given, the results so far are written there (JSON) after every process, so that a run cut
       short by a time limit keeps what it measured
     :returns: ``results[model][impl]`` = list of worker results, one per round (per fresh process)
+    :raises RuntimeError: if a worker fails
     """
     results = {model: {impl: [] for impl in impls} for model in models}
     for model in models:
@@ -232,6 +218,7 @@ def plot(rows: List[dict], output_dir: str, title_suffix: str) -> List[str]:
 
 
 def machine_description(threads: int, device: str = "cpu") -> str:
+    """one line naming the machine, torch, threads, Python and allocator settings, for the results' header"""
     gpu = f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}, " if device == "cuda" else ""
     return (
         f"{gpu}{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {threads} intra-op "
@@ -244,7 +231,7 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", help=f"linear-<N>m, resnet152, convnext-large (default: "
                         f"{' '.join(DEFAULT_MODELS)}; with --preset report: {' '.join(REPORT_MODELS)})")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: %(default)s")
-    parser.add_argument("--preset", choices=PRESETS, help="report: the slowdown report's setting (batch 32 of 224x224 "
+    parser.add_argument("--preset", choices=PRESETS, help="report: hivemind#566's setting (batch 32 of 224x224 "
                         "images, fp16 AMP with loss scaling, target 32768) with upstream reuse_grad_buffers=True too")
     parser.add_argument("--impls", nargs="+", choices=REPORT_IMPLEMENTATIONS,
                         help="implementations (default: native upstream exact inplace; with --preset, all five)")

@@ -1,6 +1,6 @@
 """
-pytest-benchmark suite: ``pytest benchmarks/ --benchmark-only`` (CPU), or with ``HIVEMIND_ACCUM_BENCH_DEVICE=cuda`` the
-slowdown report's setting on a GPU (``benchmarks/gpu_run.sh`` runs it on a saved sweep).
+pytest-benchmark suite: ``pytest benchmarks/ --benchmark-only`` (CPU), or with ``HIVEMIND_ACCUM_BENCH_DEVICE=cuda``
+hivemind#566's setting on a GPU (``benchmarks/gpu_run.sh`` runs it on a saved sweep).
 
 One benchmark group per model size (or ``model:precision``, see :mod:`benchmarks.micro_step_worker`) and metric
 (full micro-step, no-sync ``step()``, averaging-time load), one benchmark per implementation. Samples come from fresh

@@ -1,0 +1,99 @@
+"""The main job's screen: its two tables, its claims and what hivemind logged, each at most 120 columns."""
+import collections
+import os
+from typing import Any, Dict, List, Sequence, Tuple
+
+WIDTH = 120
+WORK_COLUMNS = (
+    # (row key, header, format)
+    ("label", "mode", "{}"),
+    ("no_sync_step_ms", "step ms", "{:.2f}"),
+    ("step_ops", "ops", "{}"),
+    ("host_reads_fp16", "reads fp16", "{}"),
+    ("no_sync_step_fp16_ms", "step ms fp16", "{:.2f}"),
+    ("accum_mb_fp32", "accum MB", "{:.1f}"),
+    ("accum_mb_fp16", "accum MB fp16", "{:.1f}"),
+    ("fallback_mb", "fallback MB", "{:.1f}"),
+    ("micro_step_ms", "micro-step ms", "{:.1f}"),
+    ("x_native", "x native", "{:.3f}"),
+)
+TRAINING_COLUMNS = (
+    ("section", "loop", "{}"),
+    ("label", "mode", "{}"),
+    ("peers", "peers", "{}"),
+    ("final_loss", "loss", "{:.3f}"),
+    ("test_accuracy", "test acc", "{:.3f}"),
+    ("epochs", "epochs", "{}"),
+    ("micro_steps", "micro-steps", "{}"),
+    ("averaged", "averaged", "{}"),
+    ("grad_error", "grad error", "{:.1e}"),
+    ("train_s", "train s", "{:.1f}"),
+    ("finite", "finite", "{}"),
+)
+# what hivemind 1.1.12 logs as [ERROR] in this job, and why
+KNOWN_ERRORS = (
+    ("could not find a group", "a round found no partner in time; that peer used its local gradients"),
+    # [Errno 2] No such file or directory, or [Errno 104] Connection reset by peer
+    ("[hivemind.dht.dht._run:130]", "the DHT read a request after its sender exited (UPSTREAM.md)"),
+    ("Unable to run All-Reduce", "an all-reduce failed midway (a peer was late); that round stayed local"),
+)
+
+
+def format_table(rows: Sequence[Dict[str, Any]], columns: Sequence[Tuple[str, str, str]]) -> str:
+    """
+    Plain-text table, one column per ``(key, header, format)``; missing values print as ``n/a``.
+
+    :param rows: dicts holding every column's key
+    :param columns: e.g. :data:`WORK_COLUMNS`
+    """
+    header = [title for _, title, _ in columns]
+    cells = [[fmt.format(row[key]) if row.get(key) is not None else "n/a" for key, _, fmt in columns] for row in rows]
+    widths = [max(len(line[i]) for line in [header] + cells) for i in range(len(header))]
+    return "\n".join("  ".join(text.rjust(width) for text, width in zip(line, widths)) for line in [header] + cells)
+
+
+def format_claims(claims: Sequence[Dict[str, Any]]) -> str:
+    """one line per claim (``holds`` or ``does not hold``, then the claim and its numbers), and a ``why:`` line under
+    each claim that does not hold"""
+    lines = []
+    for c in claims:
+        lines.append(f"{'holds' if c['holds'] else 'does not hold':<13}  {c['text']}: {c['a']} vs {c['b']}")
+        if not c["holds"]:
+            lines.append(f"{'':13}  why: {c['why']}"[:WIDTH])
+    return "\n".join(lines)
+
+
+def count_log_errors(log_dir: str) -> Dict[str, Any]:
+    """
+    Count what hivemind logged in this run, so that its noise is explained, not hidden.
+
+    :param log_dir: folder holding one stderr file per process
+    :returns: ``errors`` ({known pattern or unknown line: count}) and ``destroyed`` (asyncio shutdown warnings)
+    """
+    errors, destroyed = collections.Counter(), 0
+    for name in sorted(os.listdir(log_dir)):
+        if not name.endswith(".log"):
+            continue
+        with open(os.path.join(log_dir, name), errors="replace") as log:
+            for line in log:
+                destroyed += line.startswith("Task was destroyed but it is pending!")
+                if "[ERROR]" not in line:
+                    continue
+                known = next((pattern for pattern, _ in KNOWN_ERRORS if pattern in line), None)
+                errors[known or line.split("[ERROR]", 1)[1].strip()[:80]] += 1
+    return dict(errors=dict(errors), destroyed=destroyed)
+
+
+def describe_logs(log_dir: str, counts: Dict[str, Any], what: str = "hivemind's log") -> List[str]:
+    """
+    Say where hivemind's log is and explain each kind of [ERROR] line in it.
+
+    :param counts: :func:`count_log_errors` of ``log_dir``
+    :param what: what the folder holds, as the first line names it
+    """
+    reasons = dict(KNOWN_ERRORS)
+    errors = "" if counts["errors"] else ", no [ERROR]"
+    lines = [f"{what}: {log_dir} ({counts['destroyed']} x 'Task was destroyed'{errors})"]
+    for text, count in sorted(counts["errors"].items(), key=lambda item: -item[1]):
+        lines.append(f"  {count} x [ERROR] '{text}': {reasons.get(text, 'not explained: please report it')}"[:WIDTH])
+    return lines
