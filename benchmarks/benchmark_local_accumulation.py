@@ -122,6 +122,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import hivemind_accum  # noqa: E402
 from benchmarks.sweep import MALLOC_ENV  # noqa: E402
+from hivemind_accum.optim.torch_internals import foreach_add_, foreach_zero_  # noqa: E402
 
 LARGE_MODELS = ("resnet152", "convnext-large")
 SECTIONS = ("work", "training", "framework", "nonfinite")
@@ -609,7 +610,7 @@ class LocalGradientCheck:
 
         def checked_reset():
             reset()
-            torch._foreach_zero_(self.sums)
+            foreach_zero_(self.sums)
             self.count = 0
 
         averager.step, averager.load_accumulators_into_averager_ = checked_step, checked_load
@@ -622,8 +623,8 @@ class LocalGradientCheck:
 
     @torch.no_grad()
     def record(self) -> None:
-        torch._foreach_add_(self.sums, [p.grad for p in self.parameters])
-        torch._foreach_sub_(self.sums, self.before)
+        foreach_add_(self.sums, [p.grad for p in self.parameters])
+        foreach_add_(self.sums, self.before, alpha=-1.0)
         self.count += 1
 
 

@@ -26,6 +26,7 @@ from hivemind.utils import get_logger
 
 from hivemind_accum.optim.grad_buckets import LOW_PRECISION, GradientBuckets
 from hivemind_accum.optim.round_guard import RoundGuard
+from hivemind_accum.optim.torch_internals import foreach_copy_
 
 logger = get_logger(__name__)
 _get_grad = operator.attrgetter("grad")
@@ -322,7 +323,7 @@ class GradientAverager(upstream.GradientAverager):
         if self._local_fallback is None:
             self._local_fallback = GradientBuckets(self.parameters, device="cpu", upcast=True)
         with self.get_tensors() as averaged_grads:  # once per round: one fused copy, whatever the buffers' layout
-            torch._foreach_copy_(list(self._local_fallback.views), list(averaged_grads))
+            foreach_copy_(list(self._local_fallback.views), list(averaged_grads))
         self._fallback_pending = True
 
     @torch.no_grad()
