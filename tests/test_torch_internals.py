@@ -152,3 +152,23 @@ def test_foreach_add_of_dense_tensors_is_one_fused_op_on_every_torch(monkeypatch
     ]
     assert not [e for e in prof.events() if e.cpu_parent is None and e.name == "aten::add_"]
 
+
+
+def test_claimed_torch_range_is_the_tested_range():
+    """setup.py claims exactly TESTED_TORCH's oldest to newest; requirements.txt pins the default environment's
+    release, .ci/torch-<version>.txt pins each other one (.ci/run runs every such file), and docs/compatibility.md
+    lists exactly these releases"""
+    oldest, newest = TESTED_TORCH[0], TESTED_TORCH[-1]
+    assert re.findall(r'"torch([^"]*)"', (REPO / "setup.py").read_text()) == [f">={oldest},<={newest}"]
+    default = re.findall(r"^torch==(\S+)$", (REPO / "requirements.txt").read_text(), re.M)
+    others = sorted(path.name[len("torch-"):-len(".txt")] for path in (REPO / ".ci").glob("torch-*.txt"))
+    assert sorted(default + others, key=_release) == list(TESTED_TORCH)
+    assert ".ci/torch-*.txt" in (REPO / ".ci" / "run").read_text()
+    for version in others:
+        assert re.findall(r"^torch==(\S+)$", (REPO / ".ci" / f"torch-{version}.txt").read_text(), re.M) == [version]
+    table = re.findall(r"^\| torch (\d+\.\d+\.\d+) \|", (REPO / "docs" / "compatibility.md").read_text(), re.M)
+    assert table == list(TESTED_TORCH)
+
+
+def _release(version: str):
+    return tuple(int(part) for part in version.split("."))
