@@ -8,6 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hivemind_accum", "hivemind_accum.*"]),
     python_requires=">=3.9",
-    # tested with hivemind 1.1.12 and torch 2.13.0 (see requirements.txt for the pinned, tested set)
-    install_requires=["hivemind==1.1.12", "torch>=2.3"],
+    # hivemind 1.1.12 only; torch from the oldest to the newest release CI tests (docs/compatibility.md; the range is
+    # hivemind_accum.optim.torch_internals.TESTED_TORCH, checked by tests/test_torch_internals.py)
+    install_requires=["hivemind==1.1.12", "torch>=2.3.1,<=2.14.1"],
 )

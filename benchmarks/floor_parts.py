@@ -20,6 +20,8 @@ import timeit
 
 import torch
 
+from hivemind_accum.optim.torch_internals import non_finite_check_and_unscale_
+
 
 def _median_ms(fn, repeats: int) -> float:
     fn()
@@ -62,14 +64,14 @@ def load_variants(elements: int = 100_000_000, tensors: int = 760, repeats: int 
             found_inf.zero_()
             for a, b in pairs:
                 b.copy_(a)
-                torch._amp_foreach_non_finite_check_and_unscale_([b], found_inf, inv_scale)
+                non_finite_check_and_unscale_([b], found_inf, inv_scale)
             return found_inf.item() == 0
 
         return run
 
     def whole_amp():
         dst.copy_(src)
-        torch._amp_foreach_non_finite_check_and_unscale_([dst], found_inf, inv_scale)
+        non_finite_check_and_unscale_([dst], found_inf, inv_scale)
         return found_inf.item() == 0
 
     variants = {

@@ -45,10 +45,17 @@ def no_sync_step_cost(averager, model, batch_size: int = 2) -> StepCost:
     events = [e for e in prof.events() if e.name != "cudaDeviceSynchronize"]
     return StepCost(
         top_level_ops=sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::")),
-        allocated_bytes=sum(max(e.self_cpu_memory_usage, 0) + max(e.self_device_memory_usage, 0) for e in events),
+        allocated_bytes=sum(max(e.self_cpu_memory_usage, 0) + max(self_device_memory_usage(e), 0) for e in events),
         device_to_host_copies=sum(1 for e in events if "DtoH" in e.name or "Memcpy DtoH" in e.name),
         kernels=sum(1 for e in events if e.device_type != torch.autograd.DeviceType.CPU),
     )
+
+
+def self_device_memory_usage(event) -> int:
+    """bytes the event allocated on the device, minus those it freed: ``FunctionEvent.self_device_memory_usage``
+    (torch 2.4 and later), ``self_cuda_memory_usage`` before (torch 2.3)"""
+    value = getattr(event, "self_device_memory_usage", None)
+    return event.self_cuda_memory_usage if value is None else value
 
 
 def make_model(num_layers: int, width: int = 8, device: str = "cpu") -> torch.nn.Sequential:

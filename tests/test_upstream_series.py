@@ -33,6 +33,7 @@ PATCH_CHECKS = {
     "optim/grad_buckets.py": ["imports"],
     "optim/round_guard.py": ["imports"],
     "optim/local_fallback.py": ["imports"],
+    "optim/torch_internals.py": ["imports"],
     "optim/progress_tracker.py": ["imports"],
     "optim/grad_averager.py": ["exact_mode", "in_place_mode", "no_sync_accumulation", "failed_round"],
     "optim/power_sgd_averager.py": ["imports"],

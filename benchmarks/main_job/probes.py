@@ -11,6 +11,8 @@ from typing import Dict, List, Sequence
 import hivemind
 import torch
 
+from hivemind_accum.optim.torch_internals import foreach_add_, foreach_zero_
+
 
 def wait_for_swarm(opt: hivemind.Optimizer, num_peers: int, timeout: float) -> None:
     """
@@ -95,7 +97,7 @@ class LocalGradientCheck:
 
         def checked_reset():
             reset()
-            torch._foreach_zero_(self.sums)
+            foreach_zero_(self.sums)
             self.count = 0
 
         averager.step, averager.load_accumulators_into_averager_ = checked_step, checked_load
@@ -108,8 +110,8 @@ class LocalGradientCheck:
 
     @torch.no_grad()
     def record(self) -> None:
-        torch._foreach_add_(self.sums, [p.grad for p in self.parameters])
-        torch._foreach_sub_(self.sums, self.before)
+        foreach_add_(self.sums, [p.grad for p in self.parameters])
+        foreach_add_(self.sums, self.before, alpha=-1.0)
         self.count += 1
 
 

@@ -14,6 +14,14 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Un
 
 import torch
 
+from hivemind_accum.optim.torch_internals import (
+    foreach_add_,
+    foreach_copy_,
+    foreach_mul_,
+    foreach_zero_,
+    non_finite_check_and_unscale_,
+)
+
 
 @dataclass
 class GradientBucket:
@@ -50,9 +58,9 @@ class GradientBucket:
         present = [k for k, grad in enumerate(sources) if grad is not None]
         absent = [staging.views[k] for k, grad in enumerate(sources) if grad is None]
         if absent:
-            torch._foreach_zero_(absent)
+            foreach_zero_(absent)
         if present:
-            torch._foreach_copy_(
+            foreach_copy_(
                 [staging.views[k] for k in present],
                 [sources[k].to_dense() if sources[k].is_sparse else sources[k] for k in present],
             )
@@ -186,9 +194,9 @@ class GradientBuckets:
                 bucket.flat.add_(bucket.stage_(grads), alpha=alpha)
             elif any(grad is None for grad in grads):
                 present = [k for k, grad in enumerate(grads) if grad is not None]
-                torch._foreach_add_([bucket.views[k] for k in present], [grads[k] for k in present], alpha=alpha)
+                foreach_add_([bucket.views[k] for k in present], [grads[k] for k in present], alpha=alpha)
             else:
-                torch._foreach_add_(bucket.views, grads, alpha=alpha)
+                foreach_add_(bucket.views, grads, alpha=alpha)
 
     @torch.no_grad()
     def add_finite_(
@@ -265,8 +273,8 @@ class GradientBuckets:
             return sums
         for bucket in self.buckets:
             targets = [destination[i] for i in bucket.indices]
-            torch._foreach_copy_(targets, bucket.views)
-            torch._foreach_mul_(targets, scale)
+            foreach_copy_(targets, bucket.views)
+            foreach_mul_(targets, scale)
         return None
 
 
@@ -330,7 +338,7 @@ def _add_finite_on_device(
         flat = bucket.stage_([sources[i] for i in bucket.indices], keep=device.type == "cpu")
         bucket_inf = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
         bucket_inv_scale = _to_device(inv_scale, device)
-        torch._amp_foreach_non_finite_check_and_unscale_([flat], bucket_inf, bucket_inv_scale)
+        non_finite_check_and_unscale_([flat], bucket_inf, bucket_inv_scale)
         if bucket_inf is not found_inf:
             found_inf.add_(_to_device(bucket_inf, found_inf.device))
         staged.append(flat)

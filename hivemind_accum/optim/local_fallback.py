@@ -39,7 +39,7 @@ class LocalFallback:
         self._hooked = tuple(param for param in parameters if in_place and param.requires_grad)
         self.holding = False
         self.where: Optional[str] = None
-        self._scale, self._finite = 0.0, True
+        self._loaded_scale, self._finite = 0.0, True
         self._host: Optional[GradientBuckets] = None  # allocated at the first round released unsettled
         self._hooks: List[torch.utils.hooks.RemovableHandle] = []
         self._lock = threading.RLock()
@@ -61,7 +61,7 @@ class LocalFallback:
         with self._lock:
             self._remove_hooks()
             self.holding, self.where = True, "accumulators"
-            self._scale, self._finite = scale, finite
+            self._loaded_scale, self._finite = scale, finite
             self._hooks = [param.register_hook(self._before_backward_adds) for param in self._hooked]
 
     def settle_(self) -> None:
@@ -86,7 +86,8 @@ class LocalFallback:
         with self._lock:
             if self.where is None:
                 return False
-            source, scale = (self.accumulators, self._scale) if self.where == "accumulators" else (self._host, 1.0)
+            in_accumulators = self.where == "accumulators"
+            source, scale = (self.accumulators, self._loaded_scale) if in_accumulators else (self._host, 1.0)
             source.scaled_copy_to_(destination, scale if self._finite else 0.0)
             self.settle_()
             return True
@@ -98,7 +99,7 @@ class LocalFallback:
             if self.where == "accumulators":
                 if self._host is None:
                     self._host = GradientBuckets(self.parameters, device="cpu", upcast=True)
-                self.accumulators.scaled_copy_to_(self._host, self._scale if self._finite else 0.0)
+                self.accumulators.scaled_copy_to_(self._host, self._loaded_scale if self._finite else 0.0)
                 self.where = "host"
             self.accumulators.zero_()
             self.holding = False

@@ -11,13 +11,18 @@ from hivemind.optim import optimizer as upstream
 from hivemind.optim.grad_averager import GradientAveragerFactory
 from hivemind.optim.grad_scaler import GradScaler as HivemindGradScaler
 from hivemind.utils import get_logger
-from torch.amp.grad_scaler import OptState
 
 from hivemind_accum.optim.grad_averager import GradientAverager, is_positive_int
 from hivemind_accum.optim.grad_buckets import check_distinct
 from hivemind_accum.optim.progress_tracker import ProgressTracker
 from hivemind_accum.optim.round_guard import SkipUnusableSteps, all_finite
 from hivemind_accum.optim.state_averager import TrainingStateAverager
+from hivemind_accum.optim.torch_internals import (
+    declare_scaling_aware_step,
+    foreach_zero_,
+    inv_loss_scale,
+    record_found_inf_,
+)
 
 logger = get_logger(__name__)
 
@@ -99,8 +104,8 @@ class Optimizer(upstream.Optimizer):
             )
         if self.use_gradient_averaging and not self.auxiliary:
             # torch.amp.GradScaler.step then hands itself to step() instead of unscaling and reading the overflow
-            # flag on the host before every micro-step, in the exact mode as in the in-place one
-            self._step_supports_amp_scaling = True
+            # flag on the host before every micro-step in the exact mode as in the in-place one
+            declare_scaling_aware_step(self)
 
     __init__.__signature__ = inspect.signature(upstream.Optimizer.__init__)  # help() lists upstream's arguments
 
@@ -176,10 +181,7 @@ class Optimizer(upstream.Optimizer):
                 f"hivemind.GradScaler is for reuse_grad_buffers=True: its unscale_ leaves gradients scaled until the "
                 f"global step, so a loop that clips them would clip scaled values"
             )
-        state = grad_scaler._per_optimizer_states[id(self)]
-        if not state["found_inf_per_device"]:  # update() needs a record even if this micro-step is discarded
-            scale = grad_scaler._scale
-            state["found_inf_per_device"] = {scale.device: torch.zeros((), dtype=torch.float32, device=scale.device)}
+        record_found_inf_(grad_scaler, self)  # update() needs a record even if this micro-step is discarded
         self._micro_step_scaler = grad_scaler
         try:
             # the accumulators hold unscaled, finite gradients: the global step runs as without loss scaling
@@ -192,13 +194,9 @@ class Optimizer(upstream.Optimizer):
         one read, see :meth:`step`)"""
         scaler = self._micro_step_scaler
         if scaler is not None:  # exact mode: unscale, check and maybe drop (on an accelerator, on the device)
-            state = scaler._per_optimizer_states[id(self)]
-            if state["stage"] is OptState.UNSCALED:  # the loop called torch.amp.GradScaler.unscale_(opt)
-                inv_grad_scale = torch.ones((), dtype=torch.float32, device=scaler._scale.device)
-            else:
-                inv_grad_scale = scaler._scale.double().reciprocal().float()  # as torch.amp.GradScaler.unscale_
-            found_inf = self.grad_averager.accumulate_grads_(batch_size, inv_grad_scale=inv_grad_scale)
-            state["found_inf_per_device"] = {found_inf.device: found_inf}
+            # 1 / scale, or 1.0 if the loop called torch.amp.GradScaler.unscale_(opt)
+            found_inf = self.grad_averager.accumulate_grads_(batch_size, inv_grad_scale=inv_loss_scale(scaler, self))
+            record_found_inf_(scaler, self, found_inf)
         elif grad_scaler is not None:  # in-place mode: checked once per round, in _begin_averaging_gradients
             self.grad_averager.accumulate_grads_(batch_size)
         else:
@@ -338,7 +336,7 @@ class Optimizer(upstream.Optimizer):
             for param in params:
                 param.grad = None
         else:
-            torch._foreach_zero_([param.grad for param in params if param.grad is not None])
+            foreach_zero_([param.grad for param in params if param.grad is not None])
 
     def _make_gradient_averager(self, factory: Optional[GradientAveragerFactory], **kwargs) -> GradientAverager:
         return super()._make_gradient_averager(factory if factory is not None else GradientAverager, **kwargs)

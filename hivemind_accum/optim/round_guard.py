@@ -27,6 +27,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from hivemind.utils import get_logger
 
+from hivemind_accum.optim.torch_internals import foreach_copy_, foreach_zero_
+
 logger = get_logger(__name__)
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -87,7 +89,7 @@ class RoundGuard:
         """
         self.own_finite = self.round_usable = all_finite(tensors, checksums)
         if not self.own_finite:
-            torch._foreach_zero_([tensor for tensor in tensors if tensor.numel() > 0])
+            foreach_zero_([tensor for tensor in tensors if tensor.numel() > 0])
             logger.warning(
                 f"This peer's {self.what} hold inf or NaN: they are replaced by zeros and averaged with weight 0, so "
                 f"peers do not receive them"
@@ -100,7 +102,7 @@ class RoundGuard:
         allocated at the first call and reused"""
         if self._snapshot is None:
             self._snapshot = [torch.empty_like(tensor, device="cpu") for tensor in tensors]
-        torch._foreach_copy_(self._snapshot, list(tensors))
+        foreach_copy_(self._snapshot, list(tensors))
 
     @torch.no_grad()
     def accept_(self, tensors: Sequence[torch.Tensor]) -> bool:
@@ -120,7 +122,7 @@ class RoundGuard:
     @torch.no_grad()
     def restore_(self, tensors: Sequence[torch.Tensor]) -> None:
         """copy the last :meth:`snapshot_` back into ``tensors``: one fused copy"""
-        torch._foreach_copy_(list(tensors), self._snapshot)
+        foreach_copy_(list(tensors), self._snapshot)
 
 
 class SkipUnusableSteps:

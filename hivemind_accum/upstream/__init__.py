@@ -251,6 +251,7 @@ def _commit_message(patch: ModulePatch, our_source: str, sections: Dict[str, str
 SUBJECTS = {
     "grad_buckets": "Add optim/grad_buckets.py: flat per-(device, dtype) gradient buffers with fused operations",
     "round_guard": "Add optim/round_guard.py: keep inf and NaN out of averaging rounds",
+    "torch_internals": "Add optim/torch_internals.py: the private torch interfaces in one place, checked where read",
     "local_fallback": "Add optim/local_fallback.py: keep a round's local gradients until the round is settled",
     "grad_averager": (
         "GradientAverager: flat-buffer accumulation in both modes, loss-scaled micro-steps, failed-round fallback"

@@ -1,0 +1,174 @@
+"""
+The private torch interfaces of ``hivemind_accum/optim/torch_internals.py``: the contract holds on the installed
+torch release (CI runs this file on every release it covers), a changed shape is reported with the torch version and
+what changed, the fused ops' sparse fallback gives the values of per-tensor ops, and the torch range claimed in
+setup.py, CI's environments and docs/compatibility.md are the same releases.
+"""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hivemind_accum.optim import torch_internals
+from hivemind_accum.optim.torch_internals import (
+    TESTED_TORCH,
+    TorchInternalsError,
+    check_grad_scaler_internals,
+    foreach_add_,
+    foreach_zero_,
+    inv_loss_scale,
+    loss_scale,
+    record_found_inf_,
+)
+
+# each test in a child process: on torch 2.3.1 sparse CPU ops in the pytest process (the fallback tests') start its
+# OpenMP thread pool, and a later forked test's child (e.g. test_grad_averager's) then hangs at its first parallel op
+pytestmark = pytest.mark.forked
+
+REPO = Path(__file__).resolve().parent.parent
+SCALE = 2.0**8
+
+
+def test_grad_scaler_internals_hold_on_this_torch():
+    check_grad_scaler_internals()  # on failure the message names torch.__version__ and what changed
+
+
+def scaled_optimizer():
+    """an SGD optimizer over one parameter whose gradient was just computed from a loss scaled by SCALE"""
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    scaler.scale(param.sum()).backward()
+    return param, optimizer, scaler
+
+
+def test_accessors_read_the_scale_and_the_stage():
+    param, optimizer, scaler = scaled_optimizer()
+    assert loss_scale(scaler).item() == SCALE
+    assert inv_loss_scale(scaler, optimizer).item() == 1 / SCALE
+    assert torch.equal(param.grad, torch.full((3,), SCALE))
+    record_found_inf_(scaler, optimizer)  # no record yet: 0.0 on the scale's device
+    scaler.unscale_(optimizer)
+    assert inv_loss_scale(scaler, optimizer).item() == 1.0  # the loop unscaled: nothing left to unscale
+    record_found_inf_(scaler, optimizer, torch.tensor(1.0))
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == SCALE * 0.5  # update() read the recorded overflow and backed off
+    assert torch.equal(param.detach(), torch.ones(3))  # and step() skipped the optimizer step
+
+
+def version_and(what: str) -> str:
+    return rf"torch {re.escape(torch.__version__)}: .*{what}"
+
+
+@pytest.mark.parametrize("accessor", ["inv_loss_scale", "record_found_inf_"])
+def test_a_renamed_record_is_named_with_the_torch_version(accessor):
+    _, optimizer, scaler = scaled_optimizer()
+    state = scaler._per_optimizer_states[id(optimizer)]
+    state["found_inf_per_device_v2"] = state.pop("found_inf_per_device")  # as a future torch might rename it
+    with pytest.raises(TorchInternalsError, match=version_and("has no 'found_inf_per_device'")):
+        getattr(torch_internals, accessor)(scaler, optimizer)
+
+
+def test_missing_state_and_scale_are_named_with_the_torch_version(monkeypatch):
+    _, optimizer, scaler = scaled_optimizer()
+    monkeypatch.setattr(scaler, "_scale", torch.full((2,), SCALE))
+    with pytest.raises(TorchInternalsError, match=version_and(r"GradScaler._scale is torch.Size\(\[2\]\)")):
+        inv_loss_scale(scaler, optimizer)
+    monkeypatch.undo()
+    monkeypatch.delattr(scaler, "_per_optimizer_states")
+    with pytest.raises(TorchInternalsError, match=version_and("GradScaler has no _per_optimizer_states")):
+        record_found_inf_(scaler, optimizer)
+
+
+def test_a_missing_stage_enum_is_named_with_the_torch_version(monkeypatch):
+    _, optimizer, scaler = scaled_optimizer()
+    scaler._per_optimizer_states[id(optimizer)]  # created by torch (scaler.step) before any accessor reads it
+    monkeypatch.delattr(torch_internals.amp_grad_scaler, "OptState")
+    with pytest.raises(TorchInternalsError, match=version_and(r"OptState.UNSCALED .* is missing")):
+        inv_loss_scale(scaler, optimizer)
+
+
+def test_the_contract_check_names_an_update_that_ignores_the_record(monkeypatch):
+    update = torch.amp.GradScaler.update
+
+    def update_reading_another_record(self, new_scale=None):  # as a torch that kept the overflow flags elsewhere
+        for state in self._per_optimizer_states.values():
+            state["found_inf_per_device"] = {d: torch.zeros_like(f) for d, f in state["found_inf_per_device"].items()}
+        update(self, new_scale)
+
+    monkeypatch.setattr(torch.amp.GradScaler, "update", update_reading_another_record)
+    with pytest.raises(TorchInternalsError, match=version_and("update.. left the scale at 1024.0 after a recorded "
+                                                              "overflow .expected 512.0.")):
+        check_grad_scaler_internals()
+
+
+def dense_and_sparse():
+    """four float32 targets and the tensors to add: dense, sparse (an embedding's kind of gradient), dense, sparse"""
+    generator = torch.Generator().manual_seed(0)
+    targets = [torch.randn(4, 3, generator=generator) for _ in range(4)]
+    dense = [torch.randn(4, 3, generator=generator) for _ in range(2)]
+    rows = [torch.tensor([[0, 2, 2]]), torch.tensor([[3]])]
+    sparse = [torch.sparse_coo_tensor(r, torch.randn(r.shape[1], 3, generator=generator), (4, 3), check_invariants=True) for r in rows]
+    return targets, [dense[0], sparse[0], dense[1], sparse[1]]
+
+
+@pytest.mark.parametrize("no_sparse_kernel", [False, True], ids=["this_torch", "fallback"])
+def test_foreach_add_with_sparse_tensors_adds_each_value(monkeypatch, no_sparse_kernel):
+    monkeypatch.setattr(torch_internals, "_NO_SPARSE_KERNEL", {"add"} if no_sparse_kernel else set())
+    targets, others = dense_and_sparse()
+    expected = [t + 0.5 * o.to_dense() for t, o in zip(targets, others)]  # to_dense sums the two entries of row 2
+    foreach_add_([t.clone() for t in targets], others, alpha=0.5)  # where torch refuses sparse ones, learnt here
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        foreach_add_(targets, others, alpha=0.5)
+    for target, value in zip(targets, expected):
+        assert torch.allclose(target, value, rtol=0, atol=1e-6)
+    top_level = [e.name for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+    if no_sparse_kernel or torch_internals._NO_SPARSE_KERNEL:  # dense ones still in one fused op
+        assert sorted(top_level) == ["aten::_foreach_add_", "aten::add_", "aten::add_"]
+    else:
+        assert top_level == ["aten::_foreach_add_"]
+
+
+@pytest.mark.parametrize("no_sparse_kernel", [False, True], ids=["this_torch", "fallback"])
+def test_foreach_zero_with_sparse_tensors_zeroes_each(monkeypatch, no_sparse_kernel):
+    monkeypatch.setattr(torch_internals, "_NO_SPARSE_KERNEL", {"zero"} if no_sparse_kernel else set())
+    _, tensors = dense_and_sparse()
+    foreach_zero_(tensors)
+    for tensor in tensors:
+        assert tensor.shape == (4, 3) and torch.count_nonzero(tensor.to_dense()) == 0
+
+
+def test_foreach_add_of_dense_tensors_is_one_fused_op_on_every_torch(monkeypatch):
+    monkeypatch.setattr(torch_internals, "_NO_SPARSE_KERNEL", {"add"})  # even where sparse ones fall back
+    targets = [torch.zeros(5) for _ in range(6)]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        foreach_add_(targets, [torch.full((5,), float(i)) for i in range(6)], alpha=2.0)
+    assert [t[0].item() for t in targets] == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    assert [e.name for e in prof.events() if e.cpu_parent is None and e.name == "aten::_foreach_add_"] == [
+        "aten::_foreach_add_"
+    ]
+    assert not [e for e in prof.events() if e.cpu_parent is None and e.name == "aten::add_"]
+
+
+
+def test_claimed_torch_range_is_the_tested_range():
+    """setup.py claims exactly TESTED_TORCH's oldest to newest; requirements.txt pins the default environment's
+    release, .ci/torch-<version>.txt pins each other one (.ci/run runs every such file), and docs/compatibility.md
+    lists exactly these releases"""
+    oldest, newest = TESTED_TORCH[0], TESTED_TORCH[-1]
+    assert re.findall(r'"torch([^"]*)"', (REPO / "setup.py").read_text()) == [f">={oldest},<={newest}"]
+    default = re.findall(r"^torch==(\S+)$", (REPO / "requirements.txt").read_text(), re.M)
+    others = sorted(path.name[len("torch-"):-len(".txt")] for path in (REPO / ".ci").glob("torch-*.txt"))
+    assert sorted(default + others, key=_release) == list(TESTED_TORCH)
+    assert ".ci/torch-*.txt" in (REPO / ".ci" / "run").read_text()
+    for version in others:
+        assert re.findall(r"^torch==(\S+)$", (REPO / ".ci" / f"torch-{version}.txt").read_text(), re.M) == [version]
+    table = re.findall(r"^\| torch (\d+\.\d+\.\d+) \|", (REPO / "docs" / "compatibility.md").read_text(), re.M)
+    assert table == list(TESTED_TORCH)
+
+
+def _release(version: str):
+    return tuple(int(part) for part in version.split("."))
