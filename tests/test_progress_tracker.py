@@ -17,6 +17,10 @@ import hivemind_accum
 from hivemind_accum.optim.progress_tracker import ProgressTracker
 from tests.conftest import swarm
 
+# every test starts DHT processes: run each in its own forked process, so that later tests' forked peers inherit none
+# of its state (a soak peer forked after these ran in the test process never saw its swarm)
+pytestmark = pytest.mark.forked
+
 FAST = dict(min_refresh_period=0.1, max_refresh_period=0.2, default_refresh_period=0.1)
 
 
