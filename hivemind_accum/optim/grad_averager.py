@@ -285,7 +285,7 @@ class GradientAverager(upstream.GradientAverager):
         explicit ``weight`` is used as given.
         """
         self._check_running("step")
-        self.local_fallback.drop_()  # a new round: the previous one's local gradients are no longer a fallback
+        self.local_fallback.settle_()  # a new round: the previous one's local gradients are no longer a fallback
         return super().step(
             weight=weight, reset_accumulators=reset_accumulators, control=control, timeout=timeout, wait=wait, **kwargs
         )

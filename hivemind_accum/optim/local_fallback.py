@@ -71,10 +71,6 @@ class LocalFallback:
             if self.holding:
                 self.release_()
 
-    def drop_(self) -> None:
-        """forget an unsettled round's local gradients (a new round begins) and zero the accumulators if held"""
-        self.settle_()
-
     def load_into_(self, destination: Destination) -> bool:
         """
         Load the unsettled round's local gradients, as they were loaded for the round, into ``destination``; the round
