@@ -130,6 +130,16 @@ def no_sync_parts(impl: str, repeats: int = 9, number: int = 200) -> None:
         for name, fn in parts.items():
             seconds = min(timeit.repeat(fn, number=number, repeat=repeats, timer=time.thread_time)) / number
             print(f"{impl:15s} {name:50s} {1e6 * seconds:7.1f} us", flush=True)
+        # as in a training loop: each call right after a forward and backward pass, which leave the parameters'
+        # tensor objects out of the cache (median of ``number`` calls)
+        for name in ("step()", "400 x (param.grad is view)"):
+            times = []
+            for _ in range(number):
+                model(torch.randn(4, 16)).square().mean().backward()
+                start = time.thread_time()
+                parts[name]()
+                times.append(time.thread_time() - start)
+            print(f"{impl:15s} {name + ' after backward':50s} {1e6 * statistics.median(times):7.1f} us", flush=True)
     finally:
         opt.shutdown()
         dht.shutdown()

@@ -36,24 +36,15 @@ class GradientAverager(upstream.GradientAverager):
     """
     Accumulates gradients in persistent flat on-device buffers and aggregates them with peers.
 
-    Same constructor, methods and attributes as :class:`hivemind.optim.grad_averager.GradientAverager` (which it
-    subclasses), with two accumulation modes:
+    Same constructor, methods and attributes as :class:`hivemind.optim.grad_averager.GradientAverager`, with two
+    accumulation modes (docs/modes.md):
 
-    - exact (``reuse_grad_buffers=False``, default): the accumulators, averaged gradients and averaging weight are
-      the ones upstream computes (micro-step ``i`` of batch size ``b_i`` adds ``(b_i / b_0) * grad``; averaging
-      divides by the number of micro-steps ``K``). The user may read, clip or zero ``.grad`` freely between
-      ``backward()`` and ``accumulate_grads_``. Each micro-step costs one fused ``_foreach_add_`` per
-      (device, dtype) bucket, with no allocation and no host synchronization.
+    - exact (``reuse_grad_buffers=False``, default): the same accumulators, averaged gradients and averaging weight
+      as hivemind 1.1.12; one fused add per (device, dtype) bucket per micro-step; ``.grad`` stays the user's;
     - in place (``reuse_grad_buffers=True``): every ``param.grad`` is a view of the accumulator, so autograd
-      accumulates in place, as in native PyTorch accumulation; see ``accumulate_grads_`` for what happens when a
-      ``.grad`` is set to None or replaced. Every micro-step counts equally (the sum over micro-steps divided by
-      ``K``), as native accumulation of a mean loss does; if batch sizes differ, a warning says so once.
+      accumulates into it and a micro-step does no tensor work; every micro-step counts equally.
 
-    Precision: the averager's shared buffers (what peers all-reduce and the optimizer receives) are float32 for
-    float16 and bfloat16 parameters, and the parameters' dtype otherwise. In exact mode the accumulators of fp16/bf16
-    parameters are float32 too (``accumulate_in_fp32``): summing many micro-steps in bf16 loses precision that a
-    float32 sum keeps. In in-place mode ``param.grad`` is the accumulator and autograd requires it to have the
-    parameter's dtype, so there it accumulates in the parameter's dtype, as native PyTorch accumulation does.
+    The averaged buffers are float32 for fp16/bf16 parameters, the parameters' dtype otherwise.
 
     :param parameters: pytorch parameters for which to aggregate gradients: dense float tensors on any devices and
       dtypes; the accumulators form one flat buffer per (device, dtype) group
@@ -176,27 +167,13 @@ class GradientAverager(upstream.GradientAverager):
         """
         Add the current micro-step's gradients (``param.grad``) to the local accumulators.
 
-        Exact mode: one fused ``_foreach_add_`` per bucket, weighted by ``batch_size / first_batch_size``;
-        parameters whose ``.grad`` is None contribute nothing.
+        Exact mode: micro-step ``i`` adds ``(b_i / b_0) * grad``; a ``.grad`` that is None adds nothing. With
+        ``inv_grad_scale`` the gradients are unscaled as they are added, and a micro-step holding any inf or NaN is
+        dropped whole (it leaves the averaging weight at the next load). Nothing is read on the host on an accelerator.
 
-        In-place mode: autograd has already accumulated into the views, so while every ``.grad`` is still its view
-        this does no tensor work. A ``.grad`` that was set to None since the previous call (e.g. by
-        ``zero_grad(set_to_none=True)``, before or after ``backward()``) holds only the gradients computed since
-        then: it is added into the accumulator and the view is re-attached, so nothing is lost or counted twice.
-        The same holds for a ``.grad`` replaced by a tensor of new gradients, but not for one computed from the old
-        ``.grad`` (``p.grad = p.grad * c``, out-of-place clipping or casting): that tensor already contains the
-        accumulated sum, which would then count twice; edit ``.grad`` in place or use the exact mode. Zeroing a view
-        in place (``zero_grad(set_to_none=False)``) discards the accumulated sum, as it would in native PyTorch.
-
-        With a loss scale (exact mode only), ``inv_grad_scale`` unscales this micro-step's gradients as they are added,
-        and a micro-step whose gradients hold any inf or NaN is dropped whole: it adds nothing, and its micro-step and
-        samples are subtracted from ``local_times_accumulated`` and ``local_samples_accumulated`` (hence from the
-        averaging weight) at the next ``load_accumulators_into_averager_``, which reads the dropped count on the host
-        once per round; if the first micro-step was dropped, the batch-size weights are rebased there on the first one kept,
-        so the result equals accumulating only the kept micro-steps. On an accelerator the decision stays on the
-        device (no host-device synchronization here); when gradients and accumulators are all on the CPU it is read on
-        the host, where that costs nothing, with one read per micro-step and as many passes over memory as unscaling,
-        then adding (:meth:`GradientBuckets.add_finite_`). The gradients in ``.grad`` are left as they are.
+        In-place mode: autograd already accumulated into the views. A ``.grad`` that was set to None or replaced since
+        the previous call is added into its accumulator and the view re-attached, so nothing is lost or counted twice;
+        a ``.grad`` computed from the old one (``p.grad = p.grad * c``) counts the sum twice (docs/modes.md).
 
         :param batch_size: number of samples in this micro-batch, a positive integer
         :param inv_grad_scale: optional 0-dim float32 tensor on any device, ``1 / loss_scale`` of this micro-step's

@@ -204,20 +204,10 @@ class GradientBuckets:
     ) -> torch.Tensor:
         """
         ``views[i] += alpha * inv_scale * sources[i]`` for every i if every source is finite; if any element of any
-        source is inf or NaN, add nothing at all. The sources are not modified. Two paths with the same results, chosen
-        by where the data lives (as torch's optimizers pick a single-tensor or a foreach implementation):
-
-        - every source and buffer on the CPU, where reading a flag on the host costs nothing: one read-only pass
-          (a sum per source) decides, then :meth:`add_` adds with ``alpha * inv_scale`` folded into its single pass:
-          as many passes as an unscale, a host read and an add, and as fast on a CPU, where a read-only pass costs
-          what a read-write one does (:func:`_add_finite_with_host_check`);
-        - otherwise, decided on the device without a host synchronization: per bucket one fused copy into the
-          staging buffer, one ``_amp_foreach_non_finite_check_and_unscale_`` (the kernel
-          ``torch.amp.GradScaler.unscale_`` uses), then one ``masked_fill_`` and one ``add_`` on the flat buffers
-          (:func:`_add_finite_on_device`).
-
-        With a power-of-two loss scale (``torch.amp.GradScaler``'s, and any scale it grows or backs off to) both paths
-        give bit-identical accumulators: scaling by a power of two is exact.
+        source is inf or NaN, add nothing at all. The sources are not modified. With everything on the CPU the
+        decision is read on the host (one read-only pass, then :meth:`add_`); otherwise it stays on the device (fused
+        copy, ``_amp_foreach_non_finite_check_and_unscale_``, masked add). Both paths give bit-identical results for
+        power-of-two scales (docs/mixed-precision.md).
 
         :param sources: as in :meth:`add_`
         :param inv_scale: 0-dim float32 tensor, ``1 / loss_scale`` (``1.0`` for already unscaled gradients), on any

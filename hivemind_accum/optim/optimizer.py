@@ -136,24 +136,12 @@ class Optimizer(upstream.Optimizer):
         """
         Update training progress after accumulating another local batch size. Depending on the configuration, this
         will report progress to peers, run global or local optimizer step, average parameters or schedule background
-        tasks. Loss scaling is handled on the device:
+        tasks. Loss scaling never synchronizes with an accelerator in the no-sync step (docs/mixed-precision.md):
 
-        - exact mode (``reuse_grad_buffers=False``), with ``torch.amp.GradScaler``: each micro-step's gradients are
-          unscaled (in the accumulators' dtype) and checked for inf/NaN as they are accumulated
-          (:meth:`GradientAverager.accumulate_grads_` with ``inv_grad_scale``). A micro-step that overflows is dropped
-          whole and the scaler's ``update()`` backs the scale off as usual; the rest of the epoch's micro-steps still
-          count. Its samples leave this peer's averaging weight and, read once when the epoch is due, its progress:
-          if the dropped samples were needed to reach the target batch size, the epoch goes on. ``.grad`` keeps the
-          scaled gradients unless the loop called ``scaler.unscale_(opt)``. On an accelerator neither ``step`` nor
-          ``update`` synchronizes; with everything on the CPU the overflow decision is read on the host (free there),
-          once per micro-step, which makes as many passes over the gradients as unscaling, then adding, instead of the
-          device path's four. The scale may grow after ``growth_interval`` micro-steps without
-          overflow (it is only used within a micro-step, so this is safe).
-        - in-place mode (``reuse_grad_buffers=True``), ``hivemind.GradScaler`` only: the no-sync step does no
-          check at all; the accumulated gradients are unscaled and checked once per round, before averaging (one
-          host sync per round). If any micro-step overflowed, the round's accumulated gradients are dropped, as
-          native PyTorch accumulation drops the whole accumulated step: this peer joins the round with weight 0,
-          skips the optimizer step, and the scale backs off.
+        - exact mode, ``torch.amp.GradScaler``: each micro-step is unscaled and checked as it is accumulated; one that
+          overflows is dropped whole, its samples leave this peer's progress, and ``update()`` backs the scale off;
+        - in-place mode, ``hivemind.GradScaler``: the accumulated gradients are unscaled and checked once per round;
+          an overflow drops the round's local gradients (weight 0, no optimizer step), as native accumulation does.
 
         :param closure: A closure that reevaluates the model and returns the loss
         :param batch_size: optional override for batch_size_per_step from init

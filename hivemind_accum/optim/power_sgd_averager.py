@@ -21,22 +21,10 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
     see :class:`hivemind.optim.power_sgd_averager.PowerSGDGradientAverager` for PowerSGD's parameters and
     :class:`hivemind_accum.optim.grad_averager.GradientAverager` for the two accumulation modes.
 
-    Unlike :class:`~hivemind_accum.optim.grad_averager.GradientAverager`, a failed round does not fall back to the
-    round's local gradients (``keep_local_fallback = False``), as upstream: PowerSGD adds the round's gradients into
-    its error-feedback buffers at the start of the all-reduce, so they reach a later round through error feedback, and
-    applying them now as well would count them twice.
-
-    Non-finite values: this peer's own gradients are checked as they are loaded, as in
-    :class:`~hivemind_accum.optim.grad_averager.GradientAverager`, and sent as zeros with weight 0 if they hold inf or
-    NaN, so they never enter this peer's error-feedback buffers nor its ``P`` and ``Q`` contributions. A round whose
-    averaged result is not finite (every member had weight 0, or a member does not guard its gradients) has already
-    written inf/NaN into the error-feedback buffers and the warm-start ``Q`` matrices, which every later round would
-    carry: :meth:`discard_nonfinite_round_` then resets those (error feedback to zeros, ``Q`` to fresh random values as
-    at construction), losing the error feedback accumulated so far for those tensors, and the optimizer skips its step.
-    A round can also leave them non-finite without reporting a result to this peer (one that fails between PowerSGD's
-    two all-reduce phases has already written ``Q = M^T P`` from a 0 / 0 ``P``), and a peer's zeros with weight 0 are
-    harmless only if its ``P = M Q`` is finite (``0 * NaN`` is NaN): so every round also begins with this reset
-    (:meth:`load_accumulators_into_averager_`, one more read-only pass over ``M`` and ``Q`` per round).
+    A failed round does not fall back to the round's local gradients (``keep_local_fallback = False``): PowerSGD adds
+    them into its error-feedback buffers when the all-reduce starts, so applying them now would count them twice.
+    This peer's inf/NaN gradients go out as zeros with weight 0; error feedback and ``Q`` left non-finite by a round
+    are reset before the next one (:meth:`discard_nonfinite_round_`; docs/faults.md).
     """
 
     keep_local_fallback = False

@@ -45,18 +45,10 @@ class TrainingStateAverager(upstream.TrainingStateAverager, _FiniteStateDownload
     :class:`hivemind.optim.state_averager.TrainingStateAverager` (same arguments) whose averaging rounds never take or
     offer inf or NaN:
 
-    - before each all-reduce, this peer's parameters, averaged optimizer statistics and extra tensors are checked
-      (one read-only reduction per tensor, in the averager's background process); if any is not finite, they are sent
-      as zeros with weight 0, so this peer receives the others' average and its non-finite values reach nobody;
-    - if the averaged result is not finite (every member had weight 0, or a member does not guard its values), this
-      peer keeps its own tensors (a copy taken before the round) and logs it;
-    - after :meth:`hold_back_` (``hivemind_accum.Optimizer`` calls it when it skips an optimizer step for
-      non-finite gradients), the next round is joined with weight 0: a peer that skipped a step does not pull the
-      others back to its older parameters, and takes theirs;
-    - a state that is not finite is neither shared with a downloading peer nor taken from one.
-
-    Cost per round: one copy of the averaged tensors (host buffers allocated once, in the background process) and
-    two read-only reductions over them.
+    - a peer whose parameters or optimizer statistics hold inf/NaN joins the all-reduce with zeros and weight 0;
+    - a non-finite averaged result is not taken: the peer keeps its own tensors;
+    - after :meth:`hold_back_` the next round is joined with weight 0;
+    - a non-finite state is neither shared with a downloading peer nor taken from one (docs/faults.md).
     """
 
     def __init__(self, **kwargs):
