@@ -23,6 +23,17 @@ def _noise(a: float, b: float) -> str:
     return f"{gap:.1%} slower, beyond process noise: {UNEXPECTED}"
 
 
+def _outside_step(work: Dict[str, Dict[str, Any]], key: str, baseline: str) -> str:
+    """why a mode's micro-step is further from native's than its target allows: the part of the gap outside
+    ``opt.step()``, compared with the upstream mode's; process noise or a real gap if that does not explain it"""
+    native = work["native"]["micro_step_ms"]
+    outside = {k: work[k]["micro_step_ms"] - native - work[k]["no_sync_step_ms"] for k in (key, baseline)}
+    if outside[key] > outside[baseline] * (1 + PROCESS_NOISE):
+        return _noise(work[key]["x_native"], 1.0)
+    return (f"opt.step() {work[key]['no_sync_step_ms']:.2f} ms; {outside[key]:.1f} ms outside it, "
+            f"{MODES[baseline].label} {outside[baseline]:.1f} ms: not this package's cost")
+
+
 def make_claims(work: Dict[str, Dict[str, Any]], training: Dict[Tuple[str, str], Dict[str, Any]]) -> List[Dict]:
     """
     Compare the modes on this run's rows, one dict per claim.
@@ -79,9 +90,9 @@ def make_claims(work: Dict[str, Dict[str, Any]], training: Dict[Tuple[str, str],
               lambda: "by design with delay_grad_averaging: this copy keeps a failed round's local gradients")
         ratio = {key: row["x_native"] for key, row in w.items()}
         claim(f"accum in place micro-step within {IN_PLACE_TARGET}x native", ratio["inplace"], IN_PLACE_TARGET, x,
-              ratio["inplace"] <= IN_PLACE_TARGET, lambda: _noise(ratio["inplace"], 1.0))
+              ratio["inplace"] <= IN_PLACE_TARGET, lambda: _outside_step(w, "inplace", "upstream_reuse"))
         claim(f"accum exact micro-step within {EXACT_TARGET}x native", ratio["exact"], EXACT_TARGET, x,
-              ratio["exact"] <= EXACT_TARGET, lambda: _noise(ratio["exact"], 1.0))
+              ratio["exact"] <= EXACT_TARGET, lambda: _outside_step(w, "exact", "upstream"))
         claim("accum exact micro-step no slower than upstream (x native)", ratio["exact"], ratio["upstream"], x,
               ratio["exact"] <= ratio["upstream"], lambda: _noise(ratio["exact"], ratio["upstream"]))
         claim("accum in place micro-step no slower than upstream reuse (x native)", ratio["inplace"],
