@@ -298,6 +298,12 @@ def _peer(rank, conn, initial_peers, failures, kill_at, start_barrier, go, stop,
             while not go.wait(timeout=0.5):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"peer {rank} was never told to join")
+            # and only once its tracker has seen the swarm two epochs ahead: then its first step downloads the state
+            # (hivemind.Optimizer._should_load_state_from_peers), instead of ending an epoch on stale progress
+            while opt.tracker.global_epoch < opt.local_epoch + 2:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"peer {rank} never saw the swarm's epoch (at {opt.tracker.global_epoch})")
+                time.sleep(0.1)
         micro_step = 0
         while not stop.is_set():
             if time.monotonic() > deadline:
