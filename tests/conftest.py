@@ -1,11 +1,21 @@
 import contextlib
 import pickle
-from typing import Any, Iterator, List, Optional
+import time
+from typing import Any, Callable, Iterator, List, Optional
 
 import hivemind
 import pytest
 import torch
 from torch import nn
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    """poll ``condition`` every 0.05 s until it holds; raise ``TimeoutError`` naming ``what`` after ``timeout`` s"""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
 
 
 def send_by_value(channel, message: Any) -> None:

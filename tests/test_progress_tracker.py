@@ -3,7 +3,6 @@ This package's ProgressTracker against upstream's: what peers read from the DHT 
 same, and a report builds no pydantic model in the reporting thread (the record is built when read).
 """
 import threading
-import time
 
 import hivemind
 import pytest
@@ -15,7 +14,7 @@ from pydantic.v1 import ValidationError
 
 import hivemind_accum
 from hivemind_accum.optim.progress_tracker import ProgressTracker
-from tests.conftest import swarm
+from tests.conftest import swarm, wait_for
 
 # every test starts DHT processes: run each in its own forked process, so that later tests' forked peers inherit none
 # of its state (a soak peer forked after these ran in the test process never saw its swarm)
@@ -47,13 +46,6 @@ def published(dht: hivemind.DHT, key: str) -> dict:
     found = dht.get(key, latest=True)
     records = [entry.value for entry in (found.value.values() if found else ()) if entry.value is not None]
     return {(record["epoch"], record["samples_accumulated"]): record for record in records}
-
-
-def wait_for(condition, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_peers_read_the_same_records_as_from_an_upstream_tracker():

@@ -62,7 +62,7 @@ from hivemind.compression import NoCompression
 from hivemind.utils import MPFuture, get_dht_time
 
 import hivemind_accum
-from tests.conftest import receive_by_value, send_by_value
+from tests.conftest import receive_by_value, send_by_value, wait_for
 
 EPOCHS = int(os.environ.get("HIVEMIND_ACCUM_SOAK_EPOCHS", "8"))
 LONG = EPOCHS >= 20
@@ -300,10 +300,8 @@ def _peer(rank, conn, initial_peers, failures, kill_at, start_barrier, go, stop,
                     raise TimeoutError(f"peer {rank} was never told to join")
             # and only once its tracker has seen the swarm two epochs ahead: then its first step downloads the state
             # (hivemind.Optimizer._should_load_state_from_peers), instead of ending an epoch on stale progress
-            while opt.tracker.global_epoch < opt.local_epoch + 2:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"peer {rank} never saw the swarm's epoch (at {opt.tracker.global_epoch})")
-                time.sleep(0.1)
+            wait_for(lambda: opt.tracker.global_epoch >= opt.local_epoch + 2, deadline - time.monotonic(),
+                     f"peer {rank} to see the swarm two epochs ahead")
         micro_step = 0
         while not stop.is_set():
             if time.monotonic() > deadline:
@@ -326,11 +324,8 @@ def _peer(rank, conn, initial_peers, failures, kill_at, start_barrier, go, stop,
             if micro_step == 1 and start_barrier is not None:
                 # a peer publishes its progress once it has samples: wait until every initial peer sees all others,
                 # or one that believes it is alone cancels a round that its group already counts on
-                warm_up_deadline = time.monotonic() + 60
-                while opt.tracker.global_progress.num_peers < INITIAL_PEERS:
-                    if time.monotonic() > warm_up_deadline:
-                        raise TimeoutError(f"peer {rank} sees {opt.tracker.global_progress.num_peers} peers")
-                    time.sleep(0.1)
+                wait_for(lambda: opt.tracker.global_progress.num_peers >= INITIAL_PEERS, 60,
+                         f"peer {rank} to see {INITIAL_PEERS} peers")
                 start_barrier.wait(timeout=60)
             if events.get("download") or opt.local_epoch != epoch:
                 soak.send(
