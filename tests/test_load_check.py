@@ -27,7 +27,7 @@ def test_checksums_are_the_sums_of_the_chunks_written(monkeypatch, dtype):
     generator = torch.Generator().manual_seed(0)
     for view in source.views:
         view.copy_(torch.randn(view.shape, generator=generator))
-    sums = source.scaled_copy_to_(destination, 0.25, checksums=True)
+    sums = source.scaled_copy_with_checksums_(destination, 0.25)
     expected = []
     for src, dst in zip(source.buckets, destination.buckets):
         assert torch.equal(dst.flat, src.flat.to(dst.flat.dtype) * 0.25)
@@ -35,8 +35,8 @@ def test_checksums_are_the_sums_of_the_chunks_written(monkeypatch, dtype):
     # float32: one bucket of 34 elements (5 chunks of 7); otherwise 30 elements (5 chunks) and a float32 bucket of 4
     assert sums.dtype == torch.float32 and len(sums) == len(expected) == (5 if dtype == torch.float32 else 6)
     torch.testing.assert_close(sums, torch.stack(expected))
-    with pytest.raises(ValueError, match="checksums"):
-        source.scaled_copy_to_(list(destination.views), 1.0, checksums=True)
+    with pytest.raises(ValueError, match="destination"):
+        source.scaled_copy_with_checksums_(list(destination.views), 1.0)
 
 
 def test_all_finite_from_checksums():

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from hivemind_accum.upstream import GenerationError, carried_modules, generate, installed_hivemind
-from hivemind_accum.upstream.fixes import CHANGES, FIXES
+from hivemind_accum.upstream.changes import CHANGES
+from hivemind_accum.upstream.fixes import FIXES
 from hivemind_accum.upstream.merge import MergeError, merge_module
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,24 +28,21 @@ CHECKS = Path(__file__).resolve().parent / "upstream_checks.py"
 CARRIED = {f"optim/{name}.py" for name in carried_modules()}  # relative to the package directory
 NEW_MODULES = {path for path in CARRIED if not (installed_hivemind() / path).exists()}
 CHANGED_MODULES = (CARRIED - NEW_MODULES) | {fix.path for fix in FIXES}  # and the defects fixed at their place
-# the checks of tests/upstream_checks.py that show what a patch claims, by the module it changes (defect fixes: by
-# the words of their subject); run on the tree with this patch and the ones before it applied
+# the checks of tests/upstream_checks.py that show what a commit claims, by words of its subject; each runs on the
+# tree after its commit and after every later one (every tree also checks that the changed modules import)
 PATCH_CHECKS = {
-    "optim/grad_buckets.py": ["imports"],
-    "optim/round_guard.py": ["imports"],
-    "optim/local_fallback.py": ["imports"],
-    "optim/torch_internals.py": ["imports"],
-    "optim/progress_tracker.py": ["imports"],
-    "optim/grad_averager.py": ["exact_mode", "in_place_mode", "no_sync_accumulation", "failed_round"],
-    "optim/power_sgd_averager.py": ["imports"],
-    "optim/state_averager.py": ["imports"],
-    "optim/optimizer.py": ["no_sync_step", "imports"],
+    "client mode": ["client_mode"],
+    "__del__": ["failed_constructor"],
+    "ValueError, not AssertionError": ["client_mode_with_auxiliary"],
+    "GradScaler: make update()": ["disabled_grad_scaler"],
+    "Accumulate gradients in flat buffers": ["exact_mode", "in_place_mode", "no_sync_accumulation", "no_sync_step"],
+    "ProgressTracker": ["progress_record"],
+    "Loss scaling": ["scaled_micro_steps"],
+    "failed round falls back": ["failed_round"],
+    "Keep inf and NaN out": ["nonfinite_round"],
+    "batch_size_per_step and duplicate parameters": ["constructor_checks"],
 }
-FIX_CHECKS = {
-    "client mode": "client_mode", "__del__": "failed_constructor", "ValueError": "client_mode_with_auxiliary",
-    "GradScaler": "disabled_grad_scaler", "batch_size_per_step and duplicate parameters": "constructor_checks",
-}
-SERIES_LENGTH = len(FIXES) + len(CARRIED) + len(CHANGES)  # defect fixes, one commit per module, later changes
+SERIES_LENGTH = len(FIXES) + len(CHANGES)  # defect fixes, then one commit per change
 
 
 def _files(root: Path) -> set:
@@ -157,10 +155,12 @@ def test_series_applies_in_order_to_a_pristine_copy(series, patches, tmp_path):
     for path in _files(series / "hivemind"):
         assert filecmp.cmp(tmp_path / "hivemind" / path, series / "hivemind" / path, shallow=False), path
     # each commit message carries UPSTREAM.md's words for its module
-    grad_averager_patch = next(p for p in patches if "GradientAverager-flat" in p.name).read_text()
-    assert f"/{len(patches)}] GradientAverager: flat-buffer accumulation" in grad_averager_patch
-    assert "\ndiff --git a/hivemind/optim/grad_averager.py b/hivemind/optim/grad_averager.py\n" in grad_averager_patch
-    assert "accumulate_in_fp32" in grad_averager_patch.split("\n---\n")[0]
+    accumulation = next(p for p in patches if "Accumulate-gradients-in-flat-buffers" in p.name).read_text()
+    assert f"/{len(patches)}] Accumulate gradients in flat buffers" in accumulation
+    for module in "grad_averager", "optimizer":
+        assert f"\ndiff --git a/hivemind/optim/{module}.py b/hivemind/optim/{module}.py\n" in accumulation
+    assert "\nnew file mode 100644\n--- /dev/null\n+++ b/hivemind/optim/grad_buckets.py\n" in accumulation
+    assert "hivemind#566" in accumulation.split("\n---\n")[0] and "accumulate_in_fp32" in accumulation
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
@@ -179,10 +179,8 @@ def test_series_applies_with_git_am(series, patches, tmp_path):
         assert filecmp.cmp(tmp_path / "hivemind" / path, series / "hivemind" / path, shallow=False), path
 
 
-def _claims(path: str, subject: str) -> list:
-    if subject not in {fix.subject for fix in FIXES} | {change.subject for change in CHANGES}:
-        return PATCH_CHECKS.get(path, [])
-    return [check for words, check in FIX_CHECKS.items() if words in subject]
+def _claims(subject: str) -> list:
+    return [check for words, checks in PATCH_CHECKS.items() if words in subject for check in checks]
 
 
 def _pristine_copy(root: Path) -> Path:
@@ -203,9 +201,9 @@ def _pristine_copy(root: Path) -> Path:
 @pytest.mark.timeout(900)
 def test_each_patch_in_order_passes_its_own_checks(series, patches, tmp_path):
     """the series applied one patch at a time to a pristine copy: after each, the package imports and the checks for
-    what that patch claims pass (tests/upstream_checks.py, asserted as in the tests below); the trees after each
-    patch are checked three at a time"""
-    runs = []
+    what that patch and every earlier one claim pass (tests/upstream_checks.py, asserted as in the tests below); the
+    trees after each patch are checked three at a time"""
+    runs, claimed = [], []
     previous = None
     for number, patch in enumerate(patches, start=1):
         root = tmp_path / f"after-{number:02d}"
@@ -216,12 +214,13 @@ def test_each_patch_in_order_passes_its_own_checks(series, patches, tmp_path):
         _apply(patch, root)
         previous = root
         text = patch.read_text()
-        path = re.search(r"^diff --git a/hivemind/(\S+) ", text, re.MULTILINE).group(1)
+        paths = re.findall(r"^diff --git a/hivemind/(\S+) ", text, re.MULTILINE)
         subject = re.search(r"^Subject: \[PATCH \d+/\d+\] (.*)$", text, re.MULTILINE).group(1)
-        assert path.startswith("optim/"), path
-        names = _claims(path, subject)
-        assert names, f"patch {number} ({subject}) has no check"
-        runs.append((number, root, names))
+        assert paths and all(path.startswith("optim/") for path in paths), paths
+        own = _claims(subject)
+        assert own, f"patch {number} ({subject}) has no check"
+        claimed += [name for name in own if name not in claimed]
+        runs.append((number, root, ["imports"] + claimed))
     pending, started = list(runs), []
     while pending or started:
         while pending and len(started) < 3:
@@ -265,6 +264,24 @@ def _claim_failed_round(patched):
         torch.testing.assert_close(fallback, local.to(fallback.dtype))
 
 
+def _claim_scaled_micro_steps(patched):
+    assert patched["scaled_found_inf"] == [0.0, 1.0, 0.0, 0.0]  # the second micro-step overflowed
+    assert patched["scaled_samples"] == patched["scaled_reference_samples"] == 14 - 5
+    for scaled, reference in zip(patched["scaled"], patched["scaled_reference"]):
+        assert reference.abs().sum() > 0
+        torch.testing.assert_close(scaled, reference, rtol=0, atol=0)  # a power-of-two scale: bit-identical
+
+
+def _claim_nonfinite_round(patched):
+    assert patched["nonfinite_samples"] == 0  # then step() joins the round with weight 0
+    assert all(torch.count_nonzero(t) == 0 for t in patched["nonfinite_loaded"])  # peers receive zeros
+
+
+def _claim_progress_record(patched):
+    assert patched["progress_builds"] == 0  # built when read, not at each of the 100 reports
+    assert patched["progress_record"] == ("LocalTrainingProgress", 3, 100)
+
+
 def _claim_client_mode(patched):
     assert patched["explicit_client_mode"] is True and patched["averager_client_mode"] is True
 
@@ -291,6 +308,8 @@ CLAIMS = {
     "failed_round": _claim_failed_round, "client_mode": _claim_client_mode,
     "failed_constructor": _claim_failed_constructor, "client_mode_with_auxiliary": _claim_client_mode_with_auxiliary,
     "disabled_grad_scaler": _claim_disabled_grad_scaler, "constructor_checks": _claim_constructor_checks,
+    "scaled_micro_steps": _claim_scaled_micro_steps, "nonfinite_round": _claim_nonfinite_round,
+    "progress_record": _claim_progress_record,
 }
 
 
@@ -342,6 +361,23 @@ def test_failed_round_falls_back_to_local_gradients(behaviour):
         assert local.abs().sum() > 0
         torch.testing.assert_close(fallback, local.to(fallback.dtype))
     assert all(torch.count_nonzero(t) == 0 for t in upstream["fallback"])  # upstream steps with zeros
+
+
+def test_loss_scaled_micro_steps_drop_only_the_overflowing_one(behaviour):
+    _claim_scaled_micro_steps(behaviour["patched"])
+    assert behaviour["upstream"]["scaled"] is None  # upstream's accumulate_grads_ takes no inv_grad_scale
+
+
+def test_nonfinite_gradients_reach_peers_as_zeros_with_weight_zero(behaviour):
+    _claim_nonfinite_round(behaviour["patched"])
+    upstream = behaviour["upstream"]
+    assert upstream["nonfinite_samples"] == 8 and not all(t.isfinite().all() for t in upstream["nonfinite_loaded"])
+
+
+def test_progress_record_is_built_when_read(behaviour):
+    _claim_progress_record(behaviour["patched"])
+    assert behaviour["upstream"]["progress_builds"] == 100
+    assert behaviour["upstream"]["progress_record"] == behaviour["patched"]["progress_record"]
 
 
 def test_refuses_other_hivemind_versions(tmp_path):
@@ -586,3 +622,21 @@ def test_defect_fixes_match_exactly_and_leave_out_the_workaround():
     assert omit_workarounds(ours, [fix], "ours") == "class C:\n    def __init__(self, x):\n        self.y = x\n\n"
     with pytest.raises(FixError, match="is not in the module"):
         omit_workarounds("class C:\n    pass\n", [fix], "ours")
+
+
+def test_changes_are_peeled_off_the_last_first():
+    """a module's text before a change: the later changes' items removed, the last change first, so that an earlier
+    change's edit is written against the text without the later ones"""
+    from hivemind_accum.upstream.changes import Change, Edit, peel
+    from hivemind_accum.upstream.fixes import FixError
+
+    ours = "def f(x, scale=None):\n    if scale is not None:\n        x = x * scale\n    return check(x)\n\n\ndef check(x):\n    return x\n"
+    scaling = Change("scale", "why", omit={"m": ("if scale is not None:", Edit(", scale=None")), "other": ("g",)})
+    checks = Change("check", "why", omit={"m": ("check", Edit("return check(x)", "return x"))})
+    before_checks = "def f(x, scale=None):\n    if scale is not None:\n        x = x * scale\n    return x\n\n\n"
+    assert peel(ours, "m", [checks], "m") == before_checks
+    assert peel(ours, "m", [scaling, checks], "m") == "def f(x):\n    return x\n\n\n"
+    with pytest.raises(FixError, match="exactly once"):
+        peel(ours, "m", [Change("s", "why", omit={"m": (Edit("scale"),)})], "m")  # found three times
+    with pytest.raises(FixError, match="is not in the module"):
+        peel(ours, "m", [Change("s", "why", omit={"m": ("h",)})], "m")

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import sys
 import traceback
+from unittest import mock
 
 import hivemind
 import torch
@@ -71,6 +72,71 @@ def in_place_mode(dht) -> dict:
             in_place=[tensor.clone() for tensor in averaged],
             native=[param.grad / len(BATCH_SIZES) for param in native.parameters()],
         )
+
+
+def scaled_micro_steps(dht) -> dict:
+    """exact mode with a loss scale of 2: micro-steps unscaled as they are added and the second one, which overflows,
+    dropped; and the same micro-steps without loss scaling, the second one left out (None on a hivemind whose
+    accumulate_grads_ takes no inv_grad_scale)"""
+    overflowing = 1
+    results = {}
+    for name, scaled in ("scaled", True), ("scaled_reference", False):
+        model = Net()
+        averager = GradientAverager(model.parameters(), dht=dht, prefix=name, start=False)
+        found = []
+        for step, batch_size in enumerate(BATCH_SIZES):
+            if step == overflowing and not scaled:
+                continue
+            model.zero_grad(set_to_none=True)
+            backward(model, step, batch_size)
+            if scaled:
+                for param in model.parameters():
+                    param.grad.mul_(2.0)  # as if the loss had been scaled by 2
+                if step == overflowing:
+                    next(model.parameters()).grad[0, 0] = float("inf")
+                try:
+                    found.append(averager.accumulate_grads_(batch_size, inv_grad_scale=torch.tensor(0.5)).item())
+                except TypeError:
+                    return dict(scaled=None)
+            else:
+                averager.accumulate_grads_(batch_size)
+        averager.load_accumulators_into_averager_()
+        with averager.get_tensors() as averaged:
+            results[name] = [tensor.clone() for tensor in averaged]
+        results[f"{name}_samples"] = averager.local_samples_accumulated
+        if scaled:
+            results["scaled_found_inf"] = found
+    return results
+
+
+def nonfinite_round(dht) -> dict:
+    """what a GradientAverager loads for a round after a micro-step whose gradients hold NaN"""
+    model = Net()
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="nonfinite", start=False)
+    for step, batch_size in enumerate(BATCH_SIZES[:2]):
+        model.zero_grad(set_to_none=True)
+        backward(model, step, batch_size)
+        if step == 1:
+            next(model.parameters()).grad[0, 0] = float("nan")
+        averager.accumulate_grads_(batch_size)
+    averager.load_accumulators_into_averager_()
+    with averager.get_tensors() as averaged:
+        return dict(nonfinite_loaded=[t.clone() for t in averaged], nonfinite_samples=averager.local_samples_accumulated)
+
+
+def progress_record(dht) -> dict:
+    """how many LocalTrainingProgress records a plain hivemind ProgressTracker builds for 100 micro-step reports, and
+    the record read after them (the tracker's threads are not started, so nothing else reads it)"""
+    from hivemind.optim import progress_tracker
+
+    tracker = progress_tracker.ProgressTracker(dht, prefix="record", target_batch_size=10**9, start=False)
+    real = progress_tracker.LocalTrainingProgress
+    with mock.patch.object(progress_tracker, "LocalTrainingProgress", wraps=real) as built:
+        for samples in range(1, 101):
+            tracker.report_local_progress(3, samples)
+        builds = built.call_count
+    record = tracker.local_progress
+    return dict(progress_builds=builds, progress_record=(type(record).__name__, record.epoch, record.samples_accumulated))
 
 
 def top_level_ops(function) -> list:
@@ -220,7 +286,10 @@ def disabled_grad_scaler(dht) -> dict:
 def imports(dht) -> dict:
     """each module of ``hivemind.optim`` that the series adds or changes, if present: its file, or the error that
     importing it raised (a series' first patches add modules that nothing imports yet)"""
-    names = ("grad_buckets", "round_guard", "grad_averager", "power_sgd_averager", "state_averager", "optimizer")
+    names = (
+        "torch_internals", "grad_buckets", "local_fallback", "round_guard", "progress_tracker", "grad_averager",
+        "power_sgd_averager", "state_averager", "optimizer",
+    )
     found = {}
     for name in names:
         if importlib.util.find_spec(f"hivemind.optim.{name}") is None:
@@ -236,7 +305,8 @@ CHECKS = {
     check.__name__: check
     for check in (
         exact_mode, in_place_mode, no_sync_accumulation, no_sync_step, failed_round, client_mode, failed_constructor,
-        client_mode_with_auxiliary, disabled_grad_scaler, constructor_checks, imports,
+        client_mode_with_auxiliary, disabled_grad_scaler, constructor_checks, scaled_micro_steps, nonfinite_round,
+        progress_record, imports,
     )
 }
 

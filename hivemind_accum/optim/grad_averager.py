@@ -328,10 +328,11 @@ class GradientAverager(upstream.GradientAverager):
         grad_scale = (self._anchor_correction / times) if times != 0 else 0.0
         self._loaded_scale = grad_scale
         with self.get_tensors() as averaged_grads:
-            target = self._averaged_target(averaged_grads)
-            # with the averager's own buckets, the check's sums are taken as the copy writes each chunk (in cache)
-            own_buckets = target is self._averaged_buckets
-            checksums = self._accumulators.scaled_copy_to_(target, grad_scale, checksums=own_buckets)
+            target, checksums = self._averaged_target(averaged_grads), None
+            if target is self._averaged_buckets:  # the check's sums, taken as the copy writes each chunk (in cache)
+                checksums = self._accumulators.scaled_copy_with_checksums_(target, grad_scale)
+            else:
+                self._accumulators.scaled_copy_to_(target, grad_scale)
             if not self.round_guard.offer_(self.flat_averaged_grads(averaged_grads), checksums):
                 self.local_samples_accumulated = 0  # step() then joins the round with weight 0 (and zeros)
 

@@ -227,9 +227,7 @@ class GradientBuckets:
             bucket.flat.zero_()
 
     @torch.no_grad()
-    def scaled_copy_to_(
-        self, destination: Union["GradientBuckets", Sequence[torch.Tensor]], scale: float, checksums: bool = False
-    ) -> Optional[torch.Tensor]:
+    def scaled_copy_to_(self, destination: Union["GradientBuckets", Sequence[torch.Tensor]], scale: float) -> None:
         """
         ``destination[i] = scale * views[i]`` for every i.
 
@@ -238,34 +236,40 @@ class GradientBuckets:
           and dtype, otherwise one bulk copy and one in-place ``mul_``; or one tensor per view, of the same shape,
           on any device: per bucket one fused ``_foreach_copy_`` and one ``_foreach_mul_``.
         :param scale: multiplier, e.g. ``1 / micro_steps`` for averaging-time normalization
-        :param checksums: buckets ``destination`` only: also sum what was written, chunk by chunk while each chunk of
-          the destination is still in cache (:data:`CHECK_CHUNK` elements), instead of a separate read pass
-        :returns: with ``checksums``, a 1-D float32 tensor on the CPU holding the sum of every chunk written (inf or
-          NaN if that chunk holds any: see :func:`hivemind_accum.optim.round_guard.all_finite`); otherwise None
         """
-        if checksums and not isinstance(destination, GradientBuckets):
-            raise ValueError("checksums: needs GradientBuckets as the destination")
         if isinstance(destination, GradientBuckets):
-            pairs = list(zip(self.buckets, destination.buckets))
-            sums = None
-            if checksums:
-                sums = torch.empty(sum(-(-dst.flat.numel() // CHECK_CHUNK) for _, dst in pairs), dtype=torch.float32)
-                slots = iter(sums.unbind())
-            for src, dst in pairs:
-                if not checksums:
-                    if src.flat.device == dst.flat.device and src.flat.dtype == dst.flat.dtype:
-                        torch.mul(src.flat, scale, out=dst.flat)
-                    else:
-                        dst.flat.copy_(src.flat)
-                        dst.flat.mul_(scale)
-                    continue
-                _scaled_copy_with_checksums(src.flat, dst.flat, scale, slots)
-            return sums
+            for src, dst in zip(self.buckets, destination.buckets):
+                if src.flat.device == dst.flat.device and src.flat.dtype == dst.flat.dtype:
+                    torch.mul(src.flat, scale, out=dst.flat)
+                else:
+                    dst.flat.copy_(src.flat)
+                    dst.flat.mul_(scale)
+            return
         for bucket in self.buckets:
             targets = [destination[i] for i in bucket.indices]
             foreach_copy_(targets, bucket.views)
             foreach_mul_(targets, scale)
-        return None
+
+    @torch.no_grad()
+    def scaled_copy_with_checksums_(self, destination: "GradientBuckets", scale: float) -> torch.Tensor:
+        """
+        :meth:`scaled_copy_to_` into buckets, summing what was written chunk by chunk while each chunk of the
+        destination is still in cache (:data:`CHECK_CHUNK` elements), instead of a separate read pass.
+
+        :param destination: buckets built from the same tensors (same grouping and layout)
+        :param scale: multiplier, as in :meth:`scaled_copy_to_`
+        :returns: a 1-D float32 tensor on the CPU holding the sum of every chunk written (inf or NaN if that chunk
+          holds any: see :func:`hivemind_accum.optim.round_guard.all_finite`)
+        :raises ValueError: if ``destination`` is not :class:`GradientBuckets`
+        """
+        if not isinstance(destination, GradientBuckets):
+            raise ValueError("destination: checksums need GradientBuckets as the destination")
+        pairs = list(zip(self.buckets, destination.buckets))
+        sums = torch.empty(sum(-(-dst.flat.numel() // CHECK_CHUNK) for _, dst in pairs), dtype=torch.float32)
+        slots = iter(sums.unbind())
+        for src, dst in pairs:
+            _scaled_copy_with_checksums(src.flat, dst.flat, scale, slots)
+        return sums
 
 
 # elements per chunk of the averaging-time load's checksums: a chunk of the destination and of the source (float32: 2 x

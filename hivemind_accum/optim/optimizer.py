@@ -10,6 +10,7 @@ from hivemind.dht import DHT
 from hivemind.optim import optimizer as upstream
 from hivemind.optim.grad_averager import GradientAveragerFactory
 from hivemind.optim.grad_scaler import GradScaler as HivemindGradScaler
+from hivemind.optim.state_averager import ZERO_GRAD_SET_TO_NONE_DEFAULT
 from hivemind.utils import get_logger
 
 from hivemind_accum.optim.grad_averager import GradientAverager, is_positive_int
@@ -310,12 +311,12 @@ class Optimizer(upstream.Optimizer):
             **kwargs,
         )
 
-    def zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self, set_to_none: bool = ZERO_GRAD_SET_TO_NONE_DEFAULT):
         """
-        Reset the model's gradients, also with ``reuse_grad_buffers=True``: with
-        ``set_to_none=True`` (the default) the gradients already accumulated stay in the averager and the next
-        micro-step's gradients are added to them; ``set_to_none=False`` zeroes ``.grad`` in place, which in in-place
-        mode discards this epoch's accumulated gradients, as it would in native PyTorch accumulation.
+        Reset the model's gradients, also with ``reuse_grad_buffers=True``: with ``set_to_none=True`` (the default
+        with torch 2) the gradients already accumulated stay in the averager and the next micro-step's gradients are
+        added to them; ``set_to_none=False`` zeroes ``.grad`` in place, which in in-place mode discards this epoch's
+        accumulated gradients, as it would in native PyTorch accumulation.
 
         :param set_to_none: set each ``.grad`` to None instead of filling it with zeros
         """

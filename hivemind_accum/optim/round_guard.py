@@ -47,8 +47,8 @@ def all_finite(tensors: Sequence[torch.Tensor], checksums: Optional[torch.Tensor
 
     :param tensors: tensors of any shape, dtype and device (flat buffers give one reduction each)
     :param checksums: sums already taken over all of ``tensors`` (in any partition, e.g. by
-      :meth:`hivemind_accum.optim.grad_buckets.GradientBuckets.scaled_copy_to_` as it wrote them): then the tensors
-      are read again only if one of these sums is not finite (each then checked element by element)
+      :meth:`hivemind_accum.optim.grad_buckets.GradientBuckets.scaled_copy_with_checksums_` as it wrote them): then
+      the tensors are read again only if one of these sums is not finite (each then checked element by element)
     :returns: False if any element is inf or NaN
     """
     floats = [tensor for tensor in tensors if tensor.is_floating_point() and tensor.numel() > 0]

@@ -18,12 +18,12 @@ from email.parser import Parser
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from hivemind_accum.upstream.fixes import CHANGES, FIXES, FixError, apply_fix, omit_workarounds
+from hivemind_accum.upstream.changes import CHANGES, peel
+from hivemind_accum.upstream.fixes import FIXES, FixError, apply_fix, omit_workarounds
 from hivemind_accum.upstream.merge import UPSTREAM_PACKAGE, MergeError, merge_module, rewrite_new_module
 
 SUPPORTED_VERSION = "1.1.12"  # the hivemind version whose source the merge was tested against
 OUR_OPTIM = Path(__file__).resolve().parent.parent / "optim"
-UPSTREAM_MD = Path(__file__).resolve().parent.parent.parent / "UPSTREAM.md"
 MARKER = ".hivemind_accum_series"  # marks an output directory this generator wrote (so it may be overwritten)
 LOCAL_VERSION = "accum"  # PEP 440 local version label of the generated package: 1.1.12+accum
 
@@ -33,14 +33,25 @@ class GenerationError(Exception):
 
 
 @dataclass
-class ModulePatch:
-    """one upstream module changed (``before`` is None for a new module) and the commit that changes it"""
+class FileChange:
+    """one hivemind module as a commit leaves it (``before`` is None for a new module)"""
 
     path: str  # relative to the package tree's root, e.g. "hivemind/optim/grad_averager.py"
     before: Optional[str]
     after: str
-    subject: str = ""
-    body: str = ""
+
+
+@dataclass
+class Patch:
+    """one commit of the series: its message and the modules it changes"""
+
+    subject: str
+    body: str
+    files: List[FileChange]
+
+    @property
+    def paths(self) -> List[str]:
+        return [change.path for change in self.files]
 
 
 def installed_hivemind() -> Path:
@@ -65,13 +76,13 @@ def carried_modules() -> List[str]:
     return sorted(p.stem for p in OUR_OPTIM.glob("*.py") if p.name != "__init__.py")
 
 
-def build_patches(upstream_dir: Path) -> List[ModulePatch]:
+def build_patches(upstream_dir: Path) -> List[Patch]:
     """the series: first one commit per hivemind defect that this package works around (:mod:`.fixes`, fixed at its
-    place), then every carried module merged into hivemind's (or added), ordered so that each imports only earlier
-    ones or hivemind; each module's commit message comes from UPSTREAM.md's section for it"""
+    place), then one commit per change (:mod:`.changes`), each bringing its part of every carried module into
+    hivemind's (merged) or adding it (a new module)"""
     carried = carried_modules()
-    texts: Dict[str, str] = {}  # a module's text so far in the series, by path
-    fix_patches: List[ModulePatch] = []
+    texts: Dict[str, str] = {}  # a module's text after the defect fixes, by path
+    patches: List[Patch] = []
     for fix in FIXES:
         path = f"{UPSTREAM_PACKAGE}/{fix.path}"
         before = texts[path] if path in texts else (upstream_dir / fix.path).read_text()
@@ -81,39 +92,64 @@ def build_patches(upstream_dir: Path) -> List[ModulePatch]:
         except FixError as e:
             raise GenerationError(f"cannot fix '{fix.subject}': {e}") from e
         if after != before:
-            fix_patches.append(ModulePatch(path, before, after, fix.subject, _wrap(fix.why) + "\n"))
+            patches.append(Patch(fix.subject, _wrap(fix.why) + "\n", [FileChange(path, before, after)]))
         texts[path] = after
-    patches: Dict[str, ModulePatch] = {}
-    notes: Dict[str, List[str]] = {}
-    later: List[ModulePatch] = []  # CHANGES, each a commit after its module's
+    entering = _entering(carried)
+    ours: Dict[str, str] = {}
     for name in carried:
         label = f"hivemind_accum/optim/{name}.py"
-        path = f"{UPSTREAM_PACKAGE}/optim/{name}.py"
-        upstream_file = upstream_dir / "optim" / f"{name}.py"
         try:
-            fixes = [fix for fix in FIXES if fix.module == name]
-            ours = omit_workarounds((OUR_OPTIM / f"{name}.py").read_text(), fixes, label)
-            changes = [change for change in CHANGES if change.module == name]
-            states = [omit_workarounds(ours, changes[i:], label) for i in range(len(changes))] + [ours]
-            if upstream_file.exists():
-                before = texts[path] if path in texts else upstream_file.read_text()
-                notes[name] = []
-                module = f"{UPSTREAM_PACKAGE}.optim.{name}"
-                merged = [merge_module(before, state, module, carried, label, []) for state in states[:-1]]
-                merged.append(merge_module(before, ours, module, carried, label, notes[name]))
-            else:
-                before, merged = None, [rewrite_new_module(state, carried, label) for state in states]
-        except (MergeError, FixError) as e:
+            ours[name] = omit_workarounds(
+                (OUR_OPTIM / f"{name}.py").read_text(), [fix for fix in FIXES if fix.module == name], label
+            )
+        except FixError as e:
             raise GenerationError(f"cannot carry {label} upstream: {e}") from e
-        patches[name] = ModulePatch(path, before, merged[0])
-        for change, previous, after in zip(changes, merged, merged[1:]):
-            later.append(ModulePatch(path, previous, after, change.subject, _wrap(change.why) + "\n"))
-    sections = _upstream_md_sections()
-    for name, patch in patches.items():
-        patch.subject, patch.body = _commit_message(
-            patch, (OUR_OPTIM / f"{name}.py").read_text(), sections, notes.get(name, [])
-        )
-    return fix_patches + [patches[name] for name in _dependency_order(patches)] + later
+    current: Dict[str, Optional[str]] = {}  # a module's text so far in the series, by path
+    notes_seen: Dict[str, List[str]] = {name: [] for name in carried}
+    for number, change in enumerate(CHANGES):
+        files, notes = [], []
+        for name in (name for name in carried if entering[name] <= number):
+            label = f"hivemind_accum/optim/{name}.py"
+            path = f"{UPSTREAM_PACKAGE}/optim/{name}.py"
+            upstream_file = upstream_dir / "optim" / f"{name}.py"
+            try:
+                state = peel(ours[name], name, CHANGES[number + 1:], label)
+                if upstream_file.exists():
+                    base = texts[path] if path in texts else upstream_file.read_text()
+                    module_notes: List[str] = []
+                    after = merge_module(base, state, f"{UPSTREAM_PACKAGE}.optim.{name}", carried, label, module_notes)
+                    notes += [note for note in module_notes if note not in notes_seen[name]]
+                    notes_seen[name] = module_notes
+                    before = current.get(path, base)
+                else:
+                    after, before = rewrite_new_module(state, carried, label), current.get(path)
+            except (MergeError, FixError) as e:
+                raise GenerationError(f"cannot carry {label} upstream ('{change.subject}'): {e}") from e
+            if after != before:
+                files.append(FileChange(path, before, after))
+            current[path] = after
+        if not files:
+            raise GenerationError(f"the change '{change.subject}' changes no module: check its items in changes.py")
+        patches.append(Patch(change.subject, _change_message(change.why, notes), files))
+    return patches
+
+
+def _entering(carried: Sequence[str]) -> Dict[str, int]:
+    """the change each carried module enters the series with, by module; every module enters exactly once"""
+    entering: Dict[str, int] = {}
+    for number, change in enumerate(CHANGES):
+        for name in change.enters:
+            if name in entering or name not in carried:
+                raise GenerationError(f"changes.py: '{change.subject}' brings in {name!r}, which is "
+                                      f"{'brought in earlier' if name in entering else 'not a carried module'}")
+            entering[name] = number
+        for name in change.omit:
+            if name not in carried:
+                raise GenerationError(f"changes.py: '{change.subject}' names {name!r}, which is not a carried module")
+    missing = [name for name in carried if name not in entering]
+    if missing:
+        raise GenerationError(f"changes.py: no change brings in {missing}: add each to the enters of its first change")
+    return entering
 
 
 def source_package(source: Path) -> Path:
@@ -126,7 +162,7 @@ def source_package(source: Path) -> Path:
     raise GenerationError(f"--hivemind-src {source}: neither it nor {source}/hivemind is hivemind's package directory")
 
 
-def generate(out: Path, upstream_dir: Optional[Path] = None, from_source: bool = False) -> List[ModulePatch]:
+def generate(out: Path, upstream_dir: Optional[Path] = None, from_source: bool = False) -> List[Patch]:
     """
     Write the patched package, its patch series and its packaging.
 
@@ -167,7 +203,8 @@ def generate(out: Path, upstream_dir: Optional[Path] = None, from_source: bool =
     (out / MARKER).write_text(f"written by python -m hivemind_accum.upstream from {upstream_dir}\n")
     shutil.copytree(upstream_dir, out / UPSTREAM_PACKAGE, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for patch in patches:
-        (out / patch.path).write_text(patch.after)
+        for change in patch.files:
+            (out / change.path).write_text(change.after)
     (out / "patches").mkdir()
     for number, patch in enumerate(patches, start=1):
         filename = f"{number:04d}-{re.sub(r'[^A-Za-z0-9]+', '-', patch.subject).strip('-')}.patch"
@@ -179,88 +216,43 @@ def generate(out: Path, upstream_dir: Optional[Path] = None, from_source: bool =
     return patches
 
 
-def format_patch(patch: ModulePatch, number: int, total: int) -> str:
+def format_patch(patch: Patch, number: int, total: int) -> str:
     """a ``git format-patch`` mail (``git am`` applies it): subject, message, then a unified diff with a/ and b/
-    prefixes"""
-    before = [] if patch.before is None else patch.before.splitlines(keepends=True)
-    after = patch.after.splitlines(keepends=True)
-    old = "/dev/null" if patch.before is None else f"a/{patch.path}"
-    diff = "".join(difflib.unified_diff(before, after, old, f"b/{patch.path}", n=3))
-    header = f"diff --git a/{patch.path} b/{patch.path}\n" + ("new file mode 100644\n" if patch.before is None else "")
+    prefixes for each module the commit changes"""
+    diffs = []
+    for change in patch.files:
+        before = [] if change.before is None else change.before.splitlines(keepends=True)
+        after = change.after.splitlines(keepends=True)
+        old = "/dev/null" if change.before is None else f"a/{change.path}"
+        header = f"diff --git a/{change.path} b/{change.path}\n" + (
+            "new file mode 100644\n" if change.before is None else ""
+        )
+        diffs.append(header + "".join(difflib.unified_diff(before, after, old, f"b/{change.path}", n=3)))
     return (
         f"From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
         f"From: hivemind_accum <hivemind_accum@users.noreply.github.com>\n"
-        f"Subject: [PATCH {number}/{total}] {patch.subject}\n\n{patch.body}\n---\n{header}{diff}"
+        f"Subject: [PATCH {number}/{total}] {patch.subject}\n\n{patch.body}\n---\n{''.join(diffs)}"
     )
 
 
-def _dependency_order(patches: Dict[str, ModulePatch]) -> List[str]:
-    """module names so that each comes after the carried modules it imports (ties alphabetically)"""
-    imports = {}
-    for name, patch in patches.items():
-        tree = ast.parse(patch.after)
-        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        imports[name] = {other for other in patches if other != name and f"{UPSTREAM_PACKAGE}.optim.{other}" in modules}
-    order: List[str] = []
-    while len(order) < len(patches):
-        ready = sorted(name for name in patches if name not in order and imports[name] <= set(order))
-        if not ready:
-            raise GenerationError(f"carried modules import each other in a cycle: {sorted(set(patches) - set(order))}")
-        order.append(ready[0])
-    return order
-
-
-def _upstream_md_sections() -> Dict[str, str]:
-    """UPSTREAM.md's ``## `` sections by the ``hivemind/...py`` path their heading names"""
-    if not UPSTREAM_MD.exists():
-        return {}
-    sections, path = {}, None
-    for line in UPSTREAM_MD.read_text().splitlines():
-        if line.startswith("## "):
-            match = re.search(r"`(hivemind/[\w/]+\.py)`", line)
-            path = match.group(1) if match else None
-            if path:
-                sections[path] = ""
-        elif path:
-            sections[path] += line + "\n"
-    return {path: text.strip() for path, text in sections.items()}
-
-
-def _commit_message(patch: ModulePatch, our_source: str, sections: Dict[str, str], notes: Sequence[str] = ()):
-    """subject and body: the module docstring's first paragraph says why, UPSTREAM.md's section says what changes"""
-    docstring = ast.get_docstring(ast.parse(our_source)) or ""
-    why = re.sub(r"\bhivemind_accum\b", UPSTREAM_PACKAGE, docstring.split("\n\n")[0])
-    name = Path(patch.path).stem
-    subject = SUBJECTS.get(name, f"{'Add' if patch.before is None else 'Change'} {patch.path}")
-    what = sections.get(patch.path)
-    if what is None:
-        what = f"(UPSTREAM.md has no section for {patch.path}; see the module's docstring.)"
-    paragraphs = [_wrap(why)] if why else []
-    paragraphs += [_markdown_to_text(what)]
+def _change_message(why: str, notes: Sequence[str] = ()) -> str:
+    """a change's commit message: its paragraphs and bullets wrapped at 72 columns, then why any helper kept
+    hivemind's previous implementation under a private name"""
+    paragraphs = []
+    for block in re.split(r"\n\s*\n", why.strip()):
+        items = re.split(r"\n(?=- )", block.strip())
+        if items[0].startswith("- "):
+            paragraphs.append("\n".join(_wrap(item, indent="  ") for item in items))
+        else:
+            paragraphs.append(_wrap(block))
     if notes:
         paragraphs.append(_wrap(
             "Where a changed method still needs the previous implementation as a function (rather than running its "
             "body with new statements before or after it), that implementation is kept under a private name:"
         ))
         paragraphs.append("\n".join(_wrap(f"- {_helper_note(note)}", indent="  ") for note in notes))
-    return subject, "\n\n".join(paragraphs) + "\n"
+    return "\n\n".join(paragraphs) + "\n"
 
-
-# each module's commit subject (a module not listed: "Add <path>" or "Change <path>")
-SUBJECTS = {
-    "grad_buckets": "Add optim/grad_buckets.py: flat per-(device, dtype) gradient buffers with fused operations",
-    "round_guard": "Add optim/round_guard.py: keep inf and NaN out of averaging rounds",
-    "torch_internals": "Add optim/torch_internals.py: the private torch interfaces in one place, checked where read",
-    "local_fallback": "Add optim/local_fallback.py: keep a round's local gradients until the round is settled",
-    "grad_averager": (
-        "GradientAverager: flat-buffer accumulation in both modes, loss-scaled micro-steps, failed-round fallback"
-    ),
-    "power_sgd_averager": "PowerSGDGradientAverager: flat-buffer accumulation, reset non-finite error feedback",
-    "state_averager": "TrainingStateAverager: never offer or take non-finite parameters or statistics",
-    "progress_tracker": "ProgressTracker: build the progress record when it is read, not at every micro-step",
-    "optimizer": "Optimizer: sync-free loss scaling, skip non-finite rounds, check arguments, zero_grad in place",
-}
 
 # why a method of hivemind's is kept as a private helper, where the merge's own reason is too terse
 KEPT_HELPERS = {
@@ -281,24 +273,6 @@ def _helper_note(note: str) -> str:
     if helper in KEPT_HELPERS:
         return f"{note.split(': ', 2)[0]}: {note.split(': ', 2)[1]}: {KEPT_HELPERS[helper]}"
     return note
-
-
-def _markdown_to_text(markdown: str) -> str:
-    """UPSTREAM.md prose for a commit message: paragraphs wrapped at 72 columns, each table row a bullet"""
-    paragraphs, rows = [], []
-    for block in re.split(r"\n\s*\n", markdown):
-        lines = block.strip().splitlines()
-        if lines and all(line.startswith("|") for line in lines):
-            cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
-            header, body = cells[0], [c for c in cells[1:] if not set("".join(c)) <= set("-: ")]
-            for row in body:
-                details = [f"{h}: {c}" for h, c in zip(header[1:], row[1:]) if c]
-                rows.append(_wrap(f"- {row[0]}: " + "; ".join(details), indent="  "))
-            paragraphs.append("\n".join(rows))
-            rows = []
-        elif lines:
-            paragraphs.append(_wrap(" ".join(line.strip() for line in lines)))
-    return "\n\n".join(paragraphs)
 
 
 def _wrap(text: str, indent: str = "") -> str:

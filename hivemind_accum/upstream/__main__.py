@@ -36,7 +36,7 @@ def main(argv=None) -> int:
         return 2
     print(f"patched hivemind {hivemind_version(upstream_dir)} from {upstream_dir}:")
     for number, patch in enumerate(patches, start=1):
-        print(f"  {number:2d} {patch.path}: {patch.subject}")
+        print(f"  {number:2d} {patch.subject} ({', '.join(patch.paths)})")
     packaging = "" if args.hivemind_src else f", {args.out}/pyproject.toml"
     print(f"wrote {args.out}/hivemind, {args.out}/patches ({len(patches)} patches){packaging}")
     if args.hivemind_src:

@@ -1,6 +1,5 @@
 """
-Defects of hivemind 1.1.12 that this package works around, and how the generated tree fixes each at its place;
-and changes of a module that the series carries as commits of their own (:data:`CHANGES`).
+Defects of hivemind 1.1.12 that this package works around, and how the generated tree fixes each at its place.
 
 The package cannot change hivemind's code, so it works around a defect from its subclass (an overridden method, a
 value kept aside); the generated tree needs no workaround: the series fixes the defect where it is, in its own
@@ -95,40 +94,6 @@ FIXES: Sequence[Fix] = (
 )
 
 
-@dataclass(frozen=True)
-class Change:
-    """a change of one of our modules that the series carries as a commit of its own, after the module's commit:
-    the module's commit is merged without ``omit``, this commit adds it"""
-
-    module: str  # our module, e.g. "optimizer"
-    subject: str
-    why: str
-    omit: Tuple[str, ...]  # as Fix.omit; "Class.method.__doc__" names a method's docstring, "name" a function
-
-
-CHANGES: Sequence[Change] = (
-    Change(
-        module="optimizer",
-        subject="Optimizer: check batch_size_per_step and duplicate parameters before anything starts",
-        why=(
-            "A batch_size_per_step that is not a positive int or None is a ValueError at construction (it failed at "
-            "the first step()); a parameter listed twice in params (or in the optimizer's param_groups) is a "
-            "ValueError naming both positions, raised before the progress tracker and averagers start (it was an "
-            "AssertionError from the state averager, after they started). One-pass iterators inside param groups "
-            "are read once."
-        ),
-        omit=(
-            "Optimizer.__init__.__doc__",
-            "if batch_size_per_step is not None and not is_positive_int(batch_size_per_step):",
-            "if params is not None:",
-            "check_distinct(named)",
-            "_named_params",
-            "_params_as_lists",
-        ),
-    ),
-)
-
-
 def apply_fix(text: str, fix: Fix, ours: str = "") -> str:
     """hivemind's module with ``fix`` applied; unchanged if hivemind already has the fixed text"""
     if text.count(fix.old) != 1:
@@ -144,16 +109,22 @@ def apply_fix(text: str, fix: Fix, ours: str = "") -> str:
 
 def omit_workarounds(ours: str, fixes: Sequence[Fix], name: str) -> str:
     """our module without the methods and statements that the fixes make unnecessary"""
+    items = [(item, fix.subject) for fix in fixes for item in fix.omit + ((fix.moved,) if fix.moved else ())]
+    return omit_items(ours, items, name)
+
+
+def omit_items(ours: str, items: Sequence[Tuple[str, str]], name: str) -> str:
+    """our module without the named methods, functions, docstrings and statements (``items``: each with the subject
+    of the commit that adds it, for the error message)"""
     tree = ast.parse(ours)
     lines = ours.splitlines(keepends=True)
     spans = []
-    for fix in fixes:
-        for item in fix.omit + ((getattr(fix, "moved", None),) if getattr(fix, "moved", None) else ()):
-            node = _find(tree, item)
-            if node is None:
-                raise FixError(f"{name}: {item!r} (left out for '{fix.subject}') is not in the module")
-            spans.append(_span(lines, node))
-    for start, end in sorted(spans, reverse=True):
+    for item, subject in items:
+        node = _find(tree, item)
+        if node is None:
+            raise FixError(f"{name}: {item!r} (left out for '{subject}') is not in the module")
+        spans.append(_span(lines, node))
+    for start, end in sorted(set(spans), reverse=True):
         del lines[start:end]
     return "".join(lines)
 
@@ -175,12 +146,15 @@ def _find(tree: ast.Module, item: str) -> Optional[ast.AST]:
     header = item.endswith(":")  # a compound statement, named by its first line
     wanted = ast.unparse(ast.parse(textwrap.dedent(item) + ("\n    pass" if header else "")))
     wanted = wanted.splitlines()[0] if header else wanted
+    found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.stmt) and not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             text = ast.unparse(node)
             if (text.splitlines()[0] == wanted) if header else (text == wanted):
-                return node
-    return None
+                found.append(node)
+    if len(found) > 1:
+        raise FixError(f"{item!r} is in the module {len(found)} times: name it by its text (an Edit) instead")
+    return found[0] if found else None
 
 
 def _span(lines, node) -> Tuple[int, int]:

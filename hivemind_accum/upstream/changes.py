@@ -1,0 +1,386 @@
+"""
+The series cut by change: which parts of this package's modules each commit brings into hivemind.
+
+Each :class:`Change` is one commit. It names the modules it brings in whole (``enters``) and, per module, what the
+commits before it lack (``omit``): methods, functions, docstrings and statements named as the defect fixes name their
+workarounds, and :class:`Edit` s for what is not a whole statement (a parameter, an ``else`` branch, a docstring
+sentence). A module's text in commit ``k`` is ours with the changes after ``k`` peeled off, the last change first.
+"""
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence, Tuple, Union
+
+from hivemind_accum.upstream.fixes import FixError, omit_items
+
+
+@dataclass(frozen=True)
+class Edit:
+    """a text of our module (found exactly once, whole or part of lines) and what the earlier commits have instead"""
+
+    old: str
+    new: str = ""
+
+
+Item = Union[str, Edit]
+
+
+@dataclass(frozen=True)
+class Change:
+    subject: str
+    why: str  # the commit message's body
+    enters: Tuple[str, ...] = ()  # modules (ours, e.g. "grad_buckets") whose first commit this is
+    omit: Mapping[str, Tuple[Item, ...]] = field(default_factory=dict)  # by module: what earlier commits lack
+
+
+def peel(ours: str, module: str, later: Sequence[Change], label: str) -> str:
+    """our module as it is before ``later`` (changes in series order): each one's items removed, the last first"""
+    for change in reversed(later):
+        items = change.omit.get(module, ())
+        names = [(item, change.subject) for item in items if isinstance(item, str)]
+        ours = omit_items(ours, names, label) if names else ours
+        for edit in (item for item in items if isinstance(item, Edit)):
+            if ours.count(edit.old) != 1:
+                raise FixError(
+                    f"{label}: expected this text exactly once (left out before '{change.subject}'), found it "
+                    f"{ours.count(edit.old)} times:\n{edit.old}"
+                )
+            ours = ours.replace(edit.old, edit.new)
+    return ours
+
+
+ACCUMULATION = Change(
+    subject="Accumulate gradients in flat buffers: one fused op per micro-step, reuse_grad_buffers as views",
+    why="""
+GradientAverager's no-sync step cost time proportional to the number of parameter tensors: one add_ per tensor,
+plus, with reuse_grad_buffers=True, a step that did nothing but could lose gradients (hivemind#566: local throughput
+48% of plain PyTorch on ConvNeXt-Large, 78% on ResNet-152, fp16 AMP).
+
+Gradients now accumulate in persistent flat buffers, one per (device, dtype) bucket (optim/grad_buckets.py, the
+layout of PyTorch DDP's gradient_as_bucket_view):
+
+- reuse_grad_buffers=False (default): one fused _foreach_add_ per bucket per micro-step, with the same accumulators,
+  averaged gradients and averaging weight as before; fp16/bf16 gradients accumulate in float32 unless
+  accumulate_in_fp32=False;
+- reuse_grad_buffers=True: every param.grad is a view of the accumulator, so autograd accumulates into it and a
+  micro-step does no tensor work. A .grad set to None (zero_grad) or replaced is added into its accumulator and the
+  view re-attached, so no micro-batch is lost or counted twice; Optimizer.zero_grad is allowed in this mode.
+
+The averaging-time load is one scaled copy per bucket into the averager's shared buffers, which are flat as well.
+The averaged buffers are float32 for fp16/bf16 parameters, so the optimizer creates a missing .grad in the
+parameter's dtype before copying into it. Fused ops go through optim/torch_internals.py, which falls back to one op
+per sparse tensor where a torch release has no sparse kernel.
+""",
+    enters=("torch_internals", "grad_buckets", "grad_averager", "optimizer"),
+)
+
+PROGRESS_RECORD = Change(
+    subject="ProgressTracker: build the progress record when it is read, not at every micro-step",
+    why="""
+report_local_progress built and validated a pydantic LocalTrainingProgress on every micro-step, about half of the
+no-sync step's host time on a 400-tensor model, although peers see the record only when the reporter thread
+publishes it. The step now stores the plain values; the record is built when it is read or published, with the
+same fields and refresh behaviour. Arguments that are not plain non-negative ints still raise the model's
+ValidationError at once.
+""",
+    enters=("progress_tracker",),
+)
+
+LOSS_SCALING = Change(
+    subject="Loss scaling without a host-device sync per micro-step",
+    why="""
+With a grad scaler, every no-sync step read the overflow flag on the host (are_grads_finite), stalling the
+accelerator once per micro-batch.
+
+- reuse_grad_buffers=False with torch.amp.GradScaler: the optimizer declares _step_supports_amp_scaling, so
+  scaler.step(opt) hands the scaler to Optimizer.step. Each micro-step is unscaled, checked and added in one pass on
+  the device; one that holds inf or NaN is dropped whole (a masked add) and its found_inf is recorded for the
+  scaler's update(). Dropped micro-steps and samples are counted on the device and subtracted from the progress once
+  per epoch (one host read). hivemind.GradScaler is refused in this mode: its unscale_ does nothing between global
+  steps, so a loop that clips would clip scaled gradients.
+- reuse_grad_buffers=True with hivemind.GradScaler: the accumulated gradients are unscaled and checked once per
+  round, before they reach peers; an overflow drops the round's local gradients (weight 0, no optimizer step), as
+  native accumulation does. A torch.amp.GradScaler is refused in this mode.
+""",
+    omit={
+        "torch_internals": (
+            "import enum",
+            "import warnings",
+            "from torch.amp import grad_scaler as amp_grad_scaler",
+            "non_finite_check_and_unscale_ = _fused_op('_amp_foreach_non_finite_check_and_unscale_')",
+            "_changed",
+            "declare_scaling_aware_step",
+            "_optimizer_state",
+            "_opt_state_unscaled",
+            "loss_scale",
+            "inv_loss_scale",
+            "record_found_inf_",
+            "check_grad_scaler_internals",
+            Edit("from typing import Callable, Dict, Optional, Sequence, Set", "from typing import Callable, Sequence, Set"),
+        ),
+        "grad_buckets": (
+            "import math",
+            "GradientBuckets.add_finite_",
+            "_to_device",
+            "_host_check_is_free",
+            "_add_finite_with_host_check",
+            "_add_finite_on_device",
+            Edit("    non_finite_check_and_unscale_,\n"),
+        ),
+        "grad_averager": (
+            "if inv_grad_scale is not None and self.reuse_grad_buffers:",
+            "GradientAverager._settle_dropped_micro_steps",
+            "self._settle_dropped_micro_steps()",
+            Edit(
+                "    def accumulate_grads_(\n"
+                "        self, batch_size: int, inv_grad_scale: Optional[torch.Tensor] = None\n"
+                "    ) -> Optional[torch.Tensor]:\n",
+                "    def accumulate_grads_(self, batch_size: int) -> None:\n",
+            ),
+            Edit(
+                " With\n"
+                "        ``inv_grad_scale`` the gradients are unscaled as they are added, and a micro-step holding any inf"
+                " or NaN is\n"
+                "        dropped whole (it leaves the averaging weight at the next load). Nothing is read on the host on"
+                " an accelerator."
+            ),
+            Edit(
+                "        :param inv_grad_scale: optional 0-dim float32 tensor on any device, ``1 / loss_scale`` of this "
+                "micro-step's\n"
+                "          gradients (``torch.ones(())`` for gradients already unscaled but not yet checked for inf/NaN)\n"
+                "        :returns: with ``inv_grad_scale``, ``found_inf``: a 0-dim float32 tensor on the accumulators' "
+                "device, 1.0 if\n"
+                "          this micro-step was dropped (what ``torch.amp.GradScaler.update`` reads to back off); "
+                "otherwise None\n"
+            ),
+            Edit(
+                ", or ``inv_grad_scale`` is given in in-place\n"
+                "          mode (there autograd has already added the gradients to the accumulators)"
+            ),
+            Edit(
+                "        elif inv_grad_scale is None:\n"
+                "            self._accumulators.add_([param.grad for param in self.parameters], alpha=batch_size / "
+                "self._anchor_batch_size)\n"
+                "        else:\n"
+                "            found_inf = self._accumulators.add_finite_(\n"
+                "                [param.grad for param in self.parameters], inv_grad_scale, alpha=batch_size / "
+                "self._anchor_batch_size\n"
+                "            )\n"
+                "            self._dropped_samples.add_(found_inf, alpha=batch_size)\n"
+                "            self._dropped_micro_steps.add_(found_inf)\n"
+                "            self._first_kept_batch_size.add_((self._first_kept_batch_size == 0) * (1 - found_inf), "
+                "alpha=batch_size)\n"
+                "            self._may_have_dropped = True\n"
+                "            return found_inf\n"
+                "        return None\n",
+                "        else:\n"
+                "            self._accumulators.add_([param.grad for param in self.parameters], alpha=batch_size / "
+                "self._anchor_batch_size)\n",
+            ),
+            Edit(
+                "        # micro-steps dropped for inf/NaN gradients (accumulate_grads_ with inv_grad_scale), counted on "
+                "the device\n"
+                "        # without a host sync and subtracted from the host counters when the accumulators are loaded\n"
+                "        # and the batch size of the first micro-step kept (micro-step i weighs b_i / b_first: if the "
+                "first\n"
+                "        # micro-step is dropped, the accumulators are rescaled once at load time, by _anchor_correction)\n"
+                "        self._drop_counters = torch.zeros(3, device=self._accumulators.buckets[0].flat.device)\n"
+                "        self._dropped_samples, self._dropped_micro_steps, self._first_kept_batch_size = "
+                "self._drop_counters\n"
+                "        self._may_have_dropped = False\n"
+                "        self._anchor_correction = 1.0\n"
+            ),
+            Edit("        self._drop_counters.zero_()\n        self._may_have_dropped = False\n"
+                 "        self._anchor_correction = 1.0\n"),
+            Edit(
+                "grad_scale = (self._anchor_correction / times) if times != 0 else 0.0",
+                "grad_scale = (1.0 / times) if times != 0 else 0.0",
+            ),
+            Edit(
+                " Micro-steps dropped for inf/NaN gradients are\n"
+                "        subtracted from the counters here (see ``accumulate_grads_``)."
+            ),
+        ),
+        "optimizer": (
+            "from hivemind.optim.grad_scaler import GradScaler as HivemindGradScaler",
+            "Optimizer.step",
+            "Optimizer._check_and_accumulate_gradients",
+            "Optimizer._update_global_epoch",
+            "Optimizer._begin_averaging_gradients",
+            "if self.use_gradient_averaging and not self.auxiliary:",
+            Edit("        self._micro_step_scaler = None\n"),  # in __init__ (step, which also sets it, is gone)
+            Edit(
+                "from hivemind_accum.optim.torch_internals import (\n"
+                "    declare_scaling_aware_step,\n"
+                "    foreach_zero_,\n"
+                "    inv_loss_scale,\n"
+                "    record_found_inf_,\n"
+                ")\n",
+                "from hivemind_accum.optim.torch_internals import foreach_zero_\n",
+            ),
+        ),
+    },
+)
+
+FALLBACK = Change(
+    subject="GradientAverager: a failed round falls back to the round's own local gradients",
+    why="""
+When an averaging round failed, Optimizer proceeded "with local gradients" by loading the accumulators again, but
+step() had already reset them: the peer stepped with zeros and the epoch's local work was lost.
+
+The round's local gradients now stay in the accumulators (with reuse_grad_buffers=True: in .grad) until the round
+is settled, i.e. its result is used or the fallback is loaded (optim/local_fallback.py). Only if the accumulators are
+needed before that, by a micro-step of the next epoch (delay_grad_averaging=True) or reset_accumulated_grads_, are
+they first copied to host memory, once per such round; without delay_grad_averaging no host memory is allocated.
+PowerSGDGradientAverager opts out (keep_local_fallback = False): it adds the local gradients into its error feedback
+when the all-reduce starts, so applying them again would count them twice.
+""",
+    enters=("local_fallback", "power_sgd_averager"),
+    omit={
+        "grad_averager": (
+            "from hivemind_accum.optim.local_fallback import LocalFallback",
+            "keep_local_fallback: bool = True",
+            "self.local_fallback = LocalFallback(self._accumulators, self.parameters, in_place=reuse_grad_buffers)",
+            "self._loaded_scale = 0.0",
+            "self._loaded_scale = grad_scale",
+            "handing_off = self._accumulators_used_in_step and self.keep_local_fallback",
+            "GradientAverager.step",
+            "GradientAverager.notify_used_averaged_gradients",
+            Edit(
+                "        if self.local_fallback.holding:  # the first micro-step after a round began: the accumulators "
+                "start over\n"
+                "            self.local_fallback.release_()\n"
+            ),
+            Edit(
+                "        if handing_off:\n"
+                "            self.local_fallback.hand_off_(self._loaded_scale)\n"
+                "        else:\n"
+                "            self.local_fallback.release_()\n",
+                "        self._accumulators.zero_()\n",
+            ),
+            Edit(
+                "; called by ``step`` right after\n"
+                "        it loaded them, keep them as they are until the round is settled (see :meth:`step`)"
+            ),
+            Edit(
+                "        with self.get_tensors() as averaged_grads:\n"
+                "            if self.local_fallback.load_into_(self._averaged_target(averaged_grads)):\n"
+                "                logger.info(\"Averaging round was not used: loaded this round's local gradients "
+                "again\")\n"
+                "                return\n"
+                "        if self.local_fallback.holding:  # a round began since the last micro-step: there is nothing "
+                "new to load\n"
+                "            self.local_fallback.release_()\n"
+            ),
+            Edit(
+                " If the last round is not settled (it failed), load that\n"
+                "        round's local gradients again instead (see ``step``)."
+            ),
+        ),
+    },
+)
+
+NONFINITE_GUARD = Change(
+    subject="Keep inf and NaN out of averaging rounds",
+    why="""
+One peer whose gradients or parameters became inf or NaN made every member of its group NaN at the next
+all-reduce, and a peer downloading the state copied whatever it received.
+
+- GradientAverager checks this peer's gradients once per round, as they are loaded (sums of each chunk taken while
+  the copy writes it, in cache; optim/round_guard.py). Non-finite ones reach peers as zeros with weight 0, and the
+  optimizer skips this epoch's step.
+- Optimizer checks the averaged gradients before using them; if they are not finite, the round counts as failed and
+  the optimizer steps with this peer's own gradients of the round (or, where the averager keeps none, skips its
+  step). A skipped step joins the next state averaging round with weight 0.
+- TrainingStateAverager offers non-finite parameters or statistics as zeros with weight 0, does not take a
+  non-finite result, and neither shares nor takes a non-finite state.
+- PowerSGDGradientAverager resets error feedback and Q left non-finite by a round before the next one.
+""",
+    enters=("round_guard", "state_averager"),
+    omit={
+        "grad_buckets": (
+            "CHECK_CHUNK = 1 << 18",
+            "GradientBuckets.scaled_copy_with_checksums_",
+            "_scaled_copy_with_checksums",
+            Edit("from typing import Dict, Iterable, Iterator,", "from typing import Dict, Iterable,"),
+        ),
+        "local_fallback": (
+            Edit("    def hand_off_(self, scale: float, finite: bool) -> None:\n",
+                 "    def hand_off_(self, scale: float) -> None:\n"),
+            Edit("        :param finite: whether they were finite (if not, the fallback is zeros, as sent to peers)\n"),
+            Edit("            self._loaded_scale, self._finite = scale, finite\n", "            self._loaded_scale = scale\n"),
+            Edit("        self._loaded_scale, self._finite = 0.0, True\n", "        self._loaded_scale = 0.0\n"),
+            Edit("source.scaled_copy_to_(destination, scale if self._finite else 0.0)",
+                 "source.scaled_copy_to_(destination, scale)"),
+            Edit("self.accumulators.scaled_copy_to_(self._host, self._loaded_scale if self._finite else 0.0)",
+                 "self.accumulators.scaled_copy_to_(self._host, self._loaded_scale)"),
+        ),
+        "grad_averager": (
+            "from hivemind_accum.optim.round_guard import RoundGuard",
+            'self.round_guard = RoundGuard("accumulated gradients")',
+            "GradientAverager.flat_averaged_grads",
+            "GradientAverager.discard_nonfinite_round_",
+            Edit("self.local_fallback.hand_off_(self._loaded_scale, finite=self.round_guard.own_finite)",
+                 "self.local_fallback.hand_off_(self._loaded_scale)"),
+            Edit(
+                "        with self.get_tensors() as averaged_grads:\n"
+                "            target, checksums = self._averaged_target(averaged_grads), None\n"
+                "            if target is self._averaged_buckets:  # the check's sums, taken as the copy writes each "
+                "chunk (in cache)\n"
+                "                checksums = self._accumulators.scaled_copy_with_checksums_(target, grad_scale)\n"
+                "            else:\n"
+                "                self._accumulators.scaled_copy_to_(target, grad_scale)\n"
+                "            if not self.round_guard.offer_(self.flat_averaged_grads(averaged_grads), checksums):\n"
+                "                self.local_samples_accumulated = 0  # step() then joins the round with weight 0 (and "
+                "zeros)\n",
+                "        with self.get_tensors() as averaged_grads:\n"
+                "            self._accumulators.scaled_copy_to_(self._averaged_target(averaged_grads), grad_scale)\n",
+            ),
+        ),
+        "power_sgd_averager": (
+            "from hivemind_accum.optim.round_guard import all_finite",
+            "PowerSGDGradientAverager.load_accumulators_into_averager_",
+            "PowerSGDGradientAverager.discard_nonfinite_round_",
+        ),
+        "optimizer": (
+            "from hivemind_accum.optim.round_guard import SkipUnusableSteps, all_finite",
+            "from hivemind_accum.optim.state_averager import TrainingStateAverager",
+            "if self.use_gradient_averaging and self._guards_gradients():",
+            "Optimizer._load_averaged_gradients_into_optimizer_",
+            "Optimizer._load_local_gradients_into_optimizer",
+            "Optimizer._on_skipped_step",
+            "Optimizer._compute_schema_hash",
+            "Optimizer._guards_gradients",
+            "Optimizer._make_state_averager",
+            Edit("    def _load_gradients_into_optimizer_(self):\n",
+                 "    def _load_averaged_gradients_into_optimizer_(self):\n"),
+        ),
+    },
+)
+
+ARGUMENT_CHECKS = Change(
+    subject="Optimizer: check batch_size_per_step and duplicate parameters before anything starts",
+    why="""
+A batch_size_per_step that is not a positive int or None is a ValueError at construction (it failed at the first
+step()); a parameter listed twice in params (or in the optimizer's param_groups) is a ValueError naming both
+positions, raised before the progress tracker and averagers start (it was an AssertionError from the state averager,
+after they started). One-pass iterators inside param groups are read once. GradientAverager.step and schedule_step
+on an averager that is not running raise a RuntimeError that says so.
+""",
+    omit={
+        "optimizer": (
+            "Optimizer.__init__.__doc__",
+            "if batch_size_per_step is not None and not is_positive_int(batch_size_per_step):",
+            "if params is not None:",
+            "check_distinct(named)",
+            "_named_params",
+            "_params_as_lists",
+        ),
+        "grad_averager": (
+            'self._check_running("step")',
+            "GradientAverager.schedule_step",
+            "GradientAverager._check_running",
+        ),
+    },
+)
+
+# the series after the defect fixes, in order: first the fix for hivemind#566, then each change that builds on it
+CHANGES: Sequence[Change] = (ACCUMULATION, PROGRESS_RECORD, LOSS_SCALING, FALLBACK, NONFINITE_GUARD, ARGUMENT_CHECKS)
