@@ -121,7 +121,8 @@ def nonfinite_round(dht) -> dict:
         averager.accumulate_grads_(batch_size)
     averager.load_accumulators_into_averager_()
     with averager.get_tensors() as averaged:
-        return dict(nonfinite_loaded=[t.clone() for t in averaged], nonfinite_samples=averager.local_samples_accumulated)
+        loaded = [tensor.clone() for tensor in averaged]
+    return dict(nonfinite_loaded=loaded, nonfinite_samples=averager.local_samples_accumulated)
 
 
 def progress_record(dht) -> dict:
@@ -136,7 +137,9 @@ def progress_record(dht) -> dict:
             tracker.report_local_progress(3, samples)
         builds = built.call_count
     record = tracker.local_progress
-    return dict(progress_builds=builds, progress_record=(type(record).__name__, record.epoch, record.samples_accumulated))
+    return dict(
+        progress_builds=builds, progress_record=(type(record).__name__, record.epoch, record.samples_accumulated)
+    )
 
 
 def top_level_ops(function) -> list:

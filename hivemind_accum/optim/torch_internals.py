@@ -248,4 +248,3 @@ def check_grad_scaler_internals() -> None:
                 f"_per_optimizer_states[id(optimizer)]['found_inf_per_device']"
             )
         param.grad = None
-

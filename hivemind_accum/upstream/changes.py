@@ -6,6 +6,7 @@ commits before it lack (``omit``): methods, functions, docstrings and statements
 workarounds, and :class:`Edit` s for what is not a whole statement (a parameter, an ``else`` branch, a docstring
 sentence). A module's text in commit ``k`` is ours with the changes after ``k`` peeled off, the last change first.
 """
+import re
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Tuple, Union
 
@@ -44,7 +45,15 @@ def peel(ours: str, module: str, later: Sequence[Change], label: str) -> str:
                     f"{ours.count(edit.old)} times:\n{edit.old}"
                 )
             ours = ours.replace(edit.old, edit.new)
-    return ours
+    return _tidy(ours) if later else ours
+
+
+def _tidy(text: str) -> str:
+    """the blank lines that removed code leaves: at most two between top-level definitions, one inside a class, none
+    at the end"""
+    text = re.sub(r"\n{4,}", "\n\n\n", text)
+    text = re.sub(r"\n{3,}(?=[ \t]+\S)", "\n\n", text)
+    return text.rstrip("\n") + "\n"
 
 
 ACCUMULATION = Change(
@@ -68,6 +77,11 @@ The averaging-time load is one scaled copy per bucket into the averager's shared
 The averaged buffers are float32 for fp16/bf16 parameters, so the optimizer creates a missing .grad in the
 parameter's dtype before copying into it. Fused ops go through optim/torch_internals.py, which falls back to one op
 per sparse tensor where a torch release has no sparse kernel.
+
+Measured on a CPU (2 cores, fp32, medians of the no-sync step): ResNet-152 34.2 ms before, 31.6 ms with
+reuse_grad_buffers=False, 0.56 ms with reuse_grad_buffers=True; ConvNeXt-Large 102.0, 99.5 and 0.52 ms; a
+195-tensor transformer runs 1 tensor operation per micro-step instead of 390 (the hivemind_accum repository's
+benchmarks/sweep.py and main job). On an accelerator each avoided kernel launch saves its launch latency as well.
 """,
     enters=("torch_internals", "grad_buckets", "grad_averager", "optimizer"),
 )
@@ -114,7 +128,8 @@ accelerator once per micro-batch.
             "inv_loss_scale",
             "record_found_inf_",
             "check_grad_scaler_internals",
-            Edit("from typing import Callable, Dict, Optional, Sequence, Set", "from typing import Callable, Sequence, Set"),
+            Edit("from typing import Callable, Dict, Optional, Sequence, Set",
+                 "from typing import Callable, Sequence, Set"),
         ),
         "grad_buckets": (
             "import math",
@@ -306,7 +321,8 @@ all-reduce, and a peer downloading the state copied whatever it received.
             Edit("    def hand_off_(self, scale: float, finite: bool) -> None:\n",
                  "    def hand_off_(self, scale: float) -> None:\n"),
             Edit("        :param finite: whether they were finite (if not, the fallback is zeros, as sent to peers)\n"),
-            Edit("            self._loaded_scale, self._finite = scale, finite\n", "            self._loaded_scale = scale\n"),
+            Edit("            self._loaded_scale, self._finite = scale, finite\n",
+                 "            self._loaded_scale = scale\n"),
             Edit("        self._loaded_scale, self._finite = 0.0, True\n", "        self._loaded_scale = 0.0\n"),
             Edit("source.scaled_copy_to_(destination, scale if self._finite else 0.0)",
                  "source.scaled_copy_to_(destination, scale)"),
@@ -357,7 +373,7 @@ all-reduce, and a peer downloading the state copied whatever it received.
 )
 
 ARGUMENT_CHECKS = Change(
-    subject="Optimizer: check batch_size_per_step and duplicate parameters before anything starts",
+    subject="Optimizer, GradientAverager: clear errors for bad arguments and for an averager that is not running",
     why="""
 A batch_size_per_step that is not a positive int or None is a ValueError at construction (it failed at the first
 step()); a parameter listed twice in params (or in the optimizer's param_groups) is a ValueError naming both
