@@ -213,18 +213,17 @@ class GradientAverager(upstream.GradientAverager):
                 )
                 self._warned_unequal_batches = True
             self._attach_grads_()
-        elif inv_grad_scale is None:
-            self._accumulators.add_([param.grad for param in self.parameters], alpha=batch_size / self._anchor_batch_size)
-        else:
-            found_inf = self._accumulators.add_finite_(
-                [param.grad for param in self.parameters], inv_grad_scale, alpha=batch_size / self._anchor_batch_size
-            )
-            self._dropped_samples.add_(found_inf, alpha=batch_size)
-            self._dropped_micro_steps.add_(found_inf)
-            self._first_kept_batch_size.add_((self._first_kept_batch_size == 0) * (1 - found_inf), alpha=batch_size)
-            self._may_have_dropped = True
-            return found_inf
-        return None
+            return None
+        grads, alpha = [param.grad for param in self.parameters], batch_size / self._anchor_batch_size
+        if inv_grad_scale is None:
+            self._accumulators.add_(grads, alpha=alpha)
+            return None
+        found_inf = self._accumulators.add_finite_(grads, inv_grad_scale, alpha=alpha)
+        self._dropped_samples.add_(found_inf, alpha=batch_size)
+        self._dropped_micro_steps.add_(found_inf)
+        self._first_kept_batch_size.add_((self._first_kept_batch_size == 0) * (1 - found_inf), alpha=batch_size)
+        self._may_have_dropped = True
+        return found_inf
 
     def _settle_dropped_micro_steps(self) -> None:
         """subtract micro-steps dropped for inf/NaN gradients from the host counters: one host sync per round"""
@@ -282,8 +281,8 @@ class GradientAverager(upstream.GradientAverager):
 
     @torch.no_grad()
     def reset_accumulated_grads_(self):
-        """reset the micro-step counters and the accumulators (one ``zero_`` per bucket); called by ``step`` right after
-        it loaded them, keep them as they are until the round is settled (see :meth:`step`)"""
+        """reset the micro-step counters and the accumulators (one ``zero_`` per bucket). Right after ``step`` loaded
+        them for a round, the accumulators are kept until the round is settled instead (see :meth:`step`)"""
         handing_off = self._accumulators_used_in_step and self.keep_local_fallback
         self._accumulators_used_in_step = False
         self.local_samples_accumulated = self.local_times_accumulated = 0
@@ -308,12 +307,10 @@ class GradientAverager(upstream.GradientAverager):
         round's local gradients again instead (see ``step``). Micro-steps dropped for inf/NaN gradients are
         subtracted from the counters here (see ``accumulate_grads_``).
 
-        Then the loaded gradients are checked once (``round_guard.offer_``), from sums of each chunk taken as the copy
-        writes it, while the chunk is in cache (with ``averaged_grads`` given at construction: one read-only reduction
-        per tensor after the copy): if any is inf or NaN, the buffers are set to zeros, ``local_samples_accumulated``
-        to 0 (so ``step`` joins the round with weight 0 and peers receive nothing of this peer's) and
-        ``round_guard.own_finite`` to False, which
-        :class:`hivemind_accum.Optimizer` reads to skip this epoch's optimizer step.
+        The loaded gradients are checked once (``round_guard.offer_``) from sums of each chunk, taken while the copy
+        writes it (with ``averaged_grads`` given at construction: one read-only reduction per tensor). If any is inf
+        or NaN, the buffers are set to zeros and ``local_samples_accumulated`` to 0, so ``step`` joins the round with
+        weight 0; ``round_guard.own_finite`` becomes False, and the optimizer skips this epoch's step.
         """
         with self.get_tensors() as averaged_grads:
             if self.local_fallback.load_into_(self._averaged_target(averaged_grads)):
@@ -370,6 +367,8 @@ def _check_averaged_grads(parameters: Sequence[torch.Tensor], averaged_grads: Se
     for i, (param, grad) in enumerate(zip(parameters, averaged_grads)):
         if not isinstance(grad, torch.Tensor) or grad.shape != param.shape:
             got = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
-            raise ValueError(f"averaged_grads[{i}]: expected shape {tuple(param.shape)} (as parameters[{i}]), got {got}")
+            raise ValueError(
+                f"averaged_grads[{i}]: expected shape {tuple(param.shape)} (as parameters[{i}]), got {got}"
+            )
         if grad.device.type != "cpu":
             raise ValueError(f"averaged_grads[{i}]: must be on CPU to be shared with the averager, got {grad.device}")

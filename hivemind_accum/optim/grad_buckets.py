@@ -3,8 +3,9 @@ Flat gradient buckets: one contiguous buffer per (device, dtype) group of tensor
 
 This module knows nothing about averaging. It gives :class:`GradientBuckets`, a set of persistent flat
 buffers whose per-tensor views keep each tensor's shape and strides (channels_last included), plus the
-fused operations gradient accumulation needs: add a list of gradients (optionally unscaled and dropped if not
-finite, for loss scaling), zero, copy with a scale. Low-precision (fp16, bf16) tensors may get float32 buffers.
+fused operations gradient accumulation needs: add a list of gradients, zero, copy with a scale. Adding can also
+unscale the gradients and drop them if not finite, for loss scaling. Low-precision (fp16, bf16) tensors may get
+float32 buffers.
 The layout follows PyTorch DDP's ``gradient_as_bucket_view=True`` (gradients as views of a communication
 bucket) and its ``batched_grad_copy`` (one ``_foreach`` op per bucket instead of a per-parameter loop).
 """
@@ -34,10 +35,9 @@ class GradientBucket:
     :param source_device: the device of the tensors this bucket mirrors (gradients are read from there)
     :param source_dtype: the dtype of the tensors this bucket mirrors (``flat`` may be float32 for fp16/bf16 ones)
     :param staging: a same-layout buffer of ``flat``'s device and dtype, allocated on first use when gradients must
-      be copied (and cast) before they are added: across devices (``accumulate_grads_on``), across dtypes (float32
-      buffers for fp16/bf16 gradients: unscaling then happens in float32) or to be checked for inf/NaN on a CPU
-      without a host read (:meth:`GradientBuckets.add_finite_` forced to its device path; on an accelerator that path
-      stages into a buffer that is not kept, see :meth:`stage_`)
+      be copied (and cast) before they are added: across devices (``accumulate_grads_on``) or across dtypes (float32
+      buffers for fp16/bf16 gradients); also to be unscaled and checked for inf/NaN without a host read
+      (:meth:`GradientBuckets.add_finite_`, which on an accelerator stages into a buffer that is not kept)
     """
 
     flat: torch.Tensor
@@ -50,8 +50,7 @@ class GradientBucket:
     def stage_(self, sources: Sequence[Optional[torch.Tensor]], keep: bool = True) -> torch.Tensor:
         """copy ``sources`` (one per view, None = zeros) into a staging buffer with one fused copy, cast to the
         buffer's dtype; return the staging buffer flat. ``keep=False`` stages into a buffer that lives only until the
-        caller drops it: on an accelerator its caching allocator hands the same memory to the next forward pass's
-        activations, so the staging copy does not raise peak device memory (no device allocation call either)"""
+        caller drops it: on an accelerator, its caching allocator hands the same memory to the next forward pass"""
         staging = self.staging or _make_bucket(self.views, self.indices, self.flat.device, self.flat.dtype)
         if keep:
             self.staging = staging
@@ -127,7 +126,8 @@ class GradientBuckets:
     :param upcast: if True, float16 and bfloat16 tensors get float32 buffers (and float32 views); tensors are still
       grouped by their own dtype, so buckets built from the same tensors with and without ``upcast`` pair up.
     :raises ValueError: if ``tensors`` is empty or holds a non-tensor, a sparse or meta tensor, a non-float dtype or
-      the same tensor twice (the message names the offending positions as ``parameters[i]``), or if ``device`` cannot be allocated on.
+      the same tensor twice (the message names the offending positions as ``parameters[i]``), or if ``device``
+      cannot be allocated on.
     """
 
     def __init__(
@@ -148,7 +148,9 @@ class GradientBuckets:
             if tensor.layout != torch.strided:
                 raise ValueError(f"parameters[{i}]: {tensor.layout} parameters are not supported, use dense ones")
             if tensor.device.type == "meta":
-                raise ValueError(f"parameters[{i}]: is on the meta device and holds no data; materialize the model first")
+                raise ValueError(
+                    f"parameters[{i}]: is on the meta device and holds no data; materialize the model first"
+                )
             if not tensor.is_floating_point():
                 raise ValueError(f"parameters[{i}]: dtype {tensor.dtype} cannot hold gradients, use a float dtype")
             groups.setdefault((tensor.device, tensor.dtype), []).append(i)
@@ -304,10 +306,8 @@ def _add_finite_with_host_check(
 ) -> torch.Tensor:
     """:meth:`GradientBuckets.add_finite_` for CPU data: one read-only pass (a sum per source: inf or NaN anywhere
     makes it non-finite), one host read, then (if finite) one :meth:`GradientBuckets.add_` with the unscale folded into
-    ``alpha``. On one CPU core a read-only pass costs what a read-write unscale does (8.4 M float32 elements
-    from memory, medians of 40 interleaved runs: a sum per tensor 1.66 ms, one fused ``_foreach_norm`` 1.62 ms,
-    ``_amp_foreach_non_finite_check_and_unscale_`` 1.61 ms), so this path costs what unscaling in place does instead of the
-    device path's four passes. Finite gradients whose sum exceeds float32's range (3.4e38) would count as overflowed too"""
+    ``alpha``. On a CPU a read-only pass costs what a read-write unscale does, so this path costs one pass where the
+    device path takes four. Finite gradients whose sum exceeds float32's range (3.4e38) count as overflowed too"""
     inv_scale = inv_scale.to("cpu", torch.float32)
     sums = [(grad.coalesce().values() if grad.is_sparse else grad).sum(dtype=torch.float32)
             for grad in sources if grad is not None]

@@ -73,7 +73,8 @@ class Optimizer(upstream.Optimizer):
             raise TypeError(
                 f"{type(self).__name__} takes keyword arguments only, as hivemind.Optimizer does (got {len(args)} "
                 f"positional): e.g. {type(self).__name__}(dht=dht, run_id=..., target_batch_size=..., "
-                f"batch_size_per_step=..., params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params))"
+                f"batch_size_per_step=..., params=model.parameters(), "
+                f"optimizer=lambda params: torch.optim.SGD(params))"
             )
         if batch_size_per_step is not None and not is_positive_int(batch_size_per_step):
             raise ValueError(
@@ -159,14 +160,16 @@ class Optimizer(upstream.Optimizer):
         if self.grad_averager.reuse_grad_buffers:
             if not isinstance(grad_scaler, HivemindGradScaler):
                 raise ValueError(
-                    f"grad_scaler: reuse_grad_buffers=True needs hivemind.GradScaler (got {type(grad_scaler).__name__}): "
+                    f"grad_scaler: reuse_grad_buffers=True needs hivemind.GradScaler "
+                    f"(got {type(grad_scaler).__name__}): "
                     f"a plain scaler's unscale_ would unscale the accumulated gradients again on every micro-step; "
                     f"or use reuse_grad_buffers=False, which accepts torch.amp.GradScaler"
                 )
             return super().step(closure, batch_size, grad_scaler)
         if isinstance(grad_scaler, HivemindGradScaler) or not isinstance(grad_scaler, torch.amp.GradScaler):
             raise ValueError(
-                f"grad_scaler: reuse_grad_buffers=False needs torch.amp.GradScaler (got {type(grad_scaler).__name__}); "
+                f"grad_scaler: reuse_grad_buffers=False needs torch.amp.GradScaler "
+                f"(got {type(grad_scaler).__name__}); "
                 f"hivemind.GradScaler is for reuse_grad_buffers=True: its unscale_ leaves gradients scaled until the "
                 f"global step, so a loop that clips them would clip scaled values"
             )
@@ -186,9 +189,7 @@ class Optimizer(upstream.Optimizer):
             # 1 / scale, or 1.0 if the loop called torch.amp.GradScaler.unscale_(opt)
             found_inf = self.grad_averager.accumulate_grads_(batch_size, inv_grad_scale=inv_loss_scale(scaler, self))
             record_found_inf_(scaler, self, found_inf)
-        elif grad_scaler is not None:  # in-place mode: checked once per round, in _begin_averaging_gradients
-            self.grad_averager.accumulate_grads_(batch_size)
-        else:
+        else:  # in-place mode with a grad scaler: checked once per round, in _begin_averaging_gradients
             self.grad_averager.accumulate_grads_(batch_size)
         self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
         return True
@@ -235,8 +236,8 @@ class Optimizer(upstream.Optimizer):
                 finite = all_finite(self.grad_averager.flat_averaged_grads(averaged_grads))
             if not finite and self.grad_averager.keep_local_fallback:
                 logger.warning(
-                    f"The averaged gradients of epoch {self.local_epoch}'s round hold inf or NaN: falling back to this "
-                    f"peer's own gradients of that round"
+                    f"The averaged gradients of epoch {self.local_epoch}'s round hold inf or NaN: falling back to "
+                    f"this peer's own gradients of that round"
                 )
                 return self._load_local_gradients_into_optimizer()
             if not finite:

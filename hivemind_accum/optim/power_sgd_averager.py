@@ -38,9 +38,9 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
 
     @torch.no_grad()
     def discard_nonfinite_round_(self) -> None:
-        """reset the error-feedback buffers (to zeros) and warm-start ``Q`` matrices (to ``torch.rand``, as ``__init__``
-        initializes them) that a round left non-finite: one check of all of them (one read-only pass, one host read),
-        then, only if that fails, one per tensor"""
+        """reset the error-feedback buffers (to zeros) and warm-start ``Q`` matrices (to ``torch.rand``, as
+        ``__init__`` initializes them) that a round left non-finite: one check of all of them (one read-only pass, one
+        host read), then, only if that fails, one per tensor"""
         with self.get_tensors():  # the background process reads and writes them under this lock
             if all_finite(self._ms + self._qs):
                 return

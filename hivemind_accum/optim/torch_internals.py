@@ -1,15 +1,16 @@
 """
 The private torch interfaces this package relies on, in one place, each checked where it is read.
 
+Fused accumulation needs torch's ``_foreach`` ops. Fused ops that lack a kernel for sparse tensors on some releases
+(torch 2.3's ``_foreach_add_`` and ``_foreach_zero_`` have none for ``SparseCPU``) fall back to one op per sparse
+tensor, the dense tensors still in one fused op.
+
 Loss scaling without a host read per micro-step needs ``torch.amp.GradScaler``'s per-optimizer state (the overflow
-record its ``update()`` reads, the stage that says whether the loop already unscaled) and its loss scale tensor;
-fused accumulation needs torch's ``_foreach`` ops and the unscale kernel ``GradScaler.unscale_`` uses. None of these
-is public API, so a torch release may change them. Every read goes through this module: a state whose shape changed
-raises :class:`TorchInternalsError` naming the torch version and what changed, instead of a ``KeyError`` in the
-middle of a step, and :func:`check_grad_scaler_internals` exercises the whole contract on a real scaler (the tests
-run it on every torch release CI covers). Fused ops that lack a kernel for sparse tensors on some releases (torch
-2.3's ``_foreach_add_`` and ``_foreach_zero_`` have none for ``SparseCPU``) fall back to one op per sparse tensor,
-the dense tensors still in one fused op.
+record its ``update()`` reads, the stage that says whether the loop already unscaled), its loss scale tensor and the
+unscale kernel ``GradScaler.unscale_`` uses. None of these is public API, so a torch release may change them: a state
+whose shape changed raises :class:`TorchInternalsError` naming the torch version and what changed, instead of a
+``KeyError`` in the middle of a step, and :func:`check_grad_scaler_internals` exercises the whole contract on a real
+scaler.
 """
 import enum
 import warnings
@@ -28,8 +29,8 @@ class TorchInternalsError(RuntimeError):
 def _changed(what: str) -> TorchInternalsError:
     return TorchInternalsError(
         f"torch {torch.__version__}: {what}. hivemind_accum reads this private torch state to unscale gradients and "
-        f"drop overflowing micro-steps without a host read; it was tested with torch {', '.join(TESTED_TORCH)} (see "
-        f"docs/compatibility.md): install one of those, or pass no grad scaler"
+        f"drop overflowing micro-steps without a host read; it was tested with torch {', '.join(TESTED_TORCH)}: "
+        f"install one of those, or pass no grad scaler"
     )
 
 
@@ -38,7 +39,7 @@ def _fused_op(name: str) -> Callable:
     if op is None:
         raise TorchInternalsError(
             f"torch {torch.__version__} has no torch.{name}, the fused op hivemind_accum accumulates gradients with; "
-            f"it was tested with torch {', '.join(TESTED_TORCH)} (see docs/compatibility.md)"
+            f"it was tested with torch {', '.join(TESTED_TORCH)}"
         )
     return op
 
@@ -223,7 +224,9 @@ def check_grad_scaler_internals() -> None:
     for overflow, expected_scale in ((False, init_scale), (True, init_scale * backoff)):
         scaler.scale(param.sum()).backward()
         if loss_scale(scaler).item() != scaler.get_scale():
-            raise _changed(f"GradScaler._scale holds {loss_scale(scaler).item()}, get_scale() says {scaler.get_scale()}")
+            raise _changed(
+                f"GradScaler._scale holds {loss_scale(scaler).item()}, get_scale() says {scaler.get_scale()}"
+            )
         if inv_loss_scale(scaler, optimizer).item() != 1 / scaler.get_scale():
             raise _changed("the inverse of GradScaler._scale is not 1 / get_scale() before unscale_")
         record_found_inf_(scaler, optimizer)

@@ -18,7 +18,7 @@ from email.parser import Parser
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from hivemind_accum.upstream.changes import CHANGES, peel
+from hivemind_accum.upstream.changes import CHANGES, edit_hivemind, for_hivemind, peel
 from hivemind_accum.upstream.fixes import FIXES, FixError, apply_fix, omit_workarounds
 from hivemind_accum.upstream.merge import UPSTREAM_PACKAGE, MergeError, merge_module, rewrite_new_module
 
@@ -113,14 +113,15 @@ def build_patches(upstream_dir: Path) -> List[Patch]:
             path = f"{UPSTREAM_PACKAGE}/optim/{name}.py"
             upstream_file = upstream_dir / "optim" / f"{name}.py"
             try:
-                state = peel(ours[name], name, CHANGES[number + 1:], label)
+                state = for_hivemind(peel(ours[name], name, CHANGES[number + 1:], label))
                 if upstream_file.exists():
-                    base = texts[path] if path in texts else upstream_file.read_text()
+                    original = texts[path] if path in texts else upstream_file.read_text()
+                    base = edit_hivemind(original, name, CHANGES[: number + 1], label)
                     module_notes: List[str] = []
                     after = merge_module(base, state, f"{UPSTREAM_PACKAGE}.optim.{name}", carried, label, module_notes)
                     notes += [note for note in module_notes if note not in notes_seen[name]]
                     notes_seen[name] = module_notes
-                    before = current.get(path, base)
+                    before = current.get(path, original)
                 else:
                     after, before = rewrite_new_module(state, carried, label), current.get(path)
             except (MergeError, FixError) as e:
@@ -257,22 +258,20 @@ def _change_message(why: str, notes: Sequence[str] = ()) -> str:
 # why a method of hivemind's is kept as a private helper, where the merge's own reason is too terse
 KEPT_HELPERS = {
     "ProgressTracker._base_report_local_progress": (
-        "the previous report_local_progress, still called for arguments that are not plain non-negative ints, so "
-        "that building the LocalTrainingProgress at once raises the model's ValidationError for them as before"
+        "the previous report_local_progress. The new one still calls it for arguments that are not plain "
+        "non-negative ints, so that they raise LocalTrainingProgress's ValidationError as before."
     ),
     "Optimizer._base_step": (
-        "the new step passes a torch.amp.GradScaler to the micro-step accumulation for the duration of one call only "
-        "(set before the previous step runs with grad_scaler=None, cleared in a finally clause), and runs the "
-        "previous step unchanged without a scaler, in in-place mode and on auxiliary peers"
+        "the previous step. The new one hands a torch.amp.GradScaler to the micro-step accumulation for one call "
+        "only (set before it calls the previous step with grad_scaler=None, cleared in a finally clause), and calls "
+        "the previous step unchanged without a scaler, in in-place mode and on auxiliary peers."
     ),
 }
 
 
 def _helper_note(note: str) -> str:
     helper = note.split(":", 1)[0]
-    if helper in KEPT_HELPERS:
-        return f"{note.split(': ', 2)[0]}: {note.split(': ', 2)[1]}: {KEPT_HELPERS[helper]}"
-    return note
+    return f"{helper}: {KEPT_HELPERS[helper]}" if helper in KEPT_HELPERS else note
 
 
 def _wrap(text: str, indent: str = "") -> str:

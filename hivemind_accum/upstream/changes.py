@@ -30,6 +30,25 @@ class Change:
     why: str  # the commit message's body
     enters: Tuple[str, ...] = ()  # modules (ours, e.g. "grad_buckets") whose first commit this is
     omit: Mapping[str, Tuple[Item, ...]] = field(default_factory=dict)  # by module: what earlier commits lack
+    hivemind: Mapping[str, Tuple[Edit, ...]] = field(default_factory=dict)  # by module: edits of hivemind's own text
+
+
+def edit_hivemind(text: str, module: str, changes: Sequence[Change], label: str) -> str:
+    """hivemind's module with the edits of ``changes`` (the series so far) to its own text, e.g. a docstring that the
+    change makes wrong"""
+    for change in changes:
+        for edit in change.hivemind.get(module, ()):
+            if text.count(edit.old) != 1:
+                raise FixError(f"{label}: expected this text of hivemind's exactly once ('{change.subject}'), found it "
+                               f"{text.count(edit.old)} times:\n{edit.old}")
+            text = text.replace(edit.old, edit.new)
+    return text
+
+
+def for_hivemind(text: str) -> str:
+    """our module's text without references to this package's documentation pages, which hivemind does not have"""
+    text = re.sub(r" \((?:see )?docs/[\w-]+\.md\)", "", text)
+    return re.sub(r"; docs/[\w-]+\.md\)", ")", text)
 
 
 def peel(ours: str, module: str, later: Sequence[Change], label: str) -> str:
@@ -82,8 +101,29 @@ Measured on a CPU (2 cores, fp32, medians of the no-sync step): ResNet-152 34.2 
 reuse_grad_buffers=False, 0.56 ms with reuse_grad_buffers=True; ConvNeXt-Large 102.0, 99.5 and 0.52 ms; a
 195-tensor transformer runs 1 tensor operation per micro-step instead of 390 (the hivemind_accum repository's
 benchmarks/sweep.py and main job). On an accelerator each avoided kernel launch saves its launch latency as well.
+
+What changes for users: parameters must be dense floating-point tensors, each listed once, and averaged_grads, if
+given, one CPU tensor per parameter of its shape (a ValueError names the offending position otherwise). The averaged
+tensors of fp16/bf16 parameters are float32, so the averager's schema hash differs and such peers do not join rounds
+with peers of earlier versions. The fused ops need torch 2.3 or newer (torch._foreach_copy_ and torch.amp), above
+requirements.txt's torch>=1.9.0.
 """,
     enters=("torch_internals", "grad_buckets", "grad_averager", "optimizer"),
+    hivemind={
+        "grad_averager": (
+            Edit(
+                "        which reduces RAM usage but requires the user to avoid calling zero_grad / clip_grad manually\n",
+                "        which reduces RAM usage; each .grad is then a view of the running sum, so edit it only in place\n",
+            ),
+        ),
+        "optimizer": (
+            Edit(
+                "      This is more memory efficient, but it requires that the user does *NOT* call model/opt zero_grad "
+                "at all\n",
+                "      This is more memory efficient, and a no-sync step does no tensor work; zero_grad loses nothing\n",
+            ),
+        ),
+    },
 )
 
 PROGRESS_RECORD = Change(
@@ -105,11 +145,11 @@ With a grad scaler, every no-sync step read the overflow flag on the host (are_g
 accelerator once per micro-batch.
 
 - reuse_grad_buffers=False with torch.amp.GradScaler: the optimizer declares _step_supports_amp_scaling, so
-  scaler.step(opt) hands the scaler to Optimizer.step. Each micro-step is unscaled, checked and added in one pass on
-  the device; one that holds inf or NaN is dropped whole (a masked add) and its found_inf is recorded for the
-  scaler's update(). Dropped micro-steps and samples are counted on the device and subtracted from the progress once
-  per epoch (one host read). hivemind.GradScaler is refused in this mode: its unscale_ does nothing between global
-  steps, so a loop that clips would clip scaled gradients.
+  scaler.step(opt) hands the scaler to Optimizer.step. Each micro-step is unscaled, checked and added on the
+  device, without a host read; one that holds inf or NaN is dropped whole (a masked add) and its found_inf is
+  recorded for the scaler's update(). Dropped micro-steps and samples are counted on the device and subtracted
+  from the progress once per epoch (one host read). hivemind.GradScaler is refused in this mode: its unscale_ does
+  nothing between global steps, so a loop that clips would clip scaled gradients.
 - reuse_grad_buffers=True with hivemind.GradScaler: the accumulated gradients are unscaled and checked once per
   round, before they reach peers; an overflow drops the round's local gradients (weight 0, no optimizer step), as
   native accumulation does. A torch.amp.GradScaler is refused in this mode.
@@ -130,6 +170,15 @@ accelerator once per micro-batch.
             "check_grad_scaler_internals",
             Edit("from typing import Callable, Dict, Optional, Sequence, Set",
                  "from typing import Callable, Sequence, Set"),
+            Edit(
+                "\n\nLoss scaling without a host read per micro-step needs ``torch.amp.GradScaler``'s per-optimizer "
+                "state (the overflow\nrecord its ``update()`` reads, the stage that says whether the loop already "
+                "unscaled), its loss scale tensor and the\nunscale kernel ``GradScaler.unscale_`` uses. None of these "
+                "is public API, so a torch release may change them: a state\nwhose shape changed raises "
+                ":class:`TorchInternalsError` naming the torch version and what changed, instead of a\n``KeyError`` in "
+                "the middle of a step, and :func:`check_grad_scaler_internals` exercises the whole contract on a "
+                "real\nscaler."
+            ),
         ),
         "grad_buckets": (
             "import math",
@@ -139,6 +188,16 @@ accelerator once per micro-batch.
             "_add_finite_with_host_check",
             "_add_finite_on_device",
             Edit("    non_finite_check_and_unscale_,\n"),
+            Edit(" Adding can also\nunscale the gradients and drop them if not finite, for loss scaling."),
+            Edit("; also to be unscaled and checked for inf/NaN without a host read\n"
+                 "      (:meth:`GradientBuckets.add_finite_`, which on an accelerator stages into a buffer that is not "
+                 "kept)"),
+            Edit("    def stage_(self, sources: Sequence[Optional[torch.Tensor]], keep: bool = True) -> torch.Tensor:",
+                 "    def stage_(self, sources: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:"),
+            Edit(" ``keep=False`` stages into a buffer that lives only until the\n"
+                 "        caller drops it: on an accelerator, its caching allocator hands the same memory to the next "
+                 "forward pass"),
+            Edit("        if keep:\n            self.staging = staging\n", "        self.staging = staging\n"),
         ),
         "grad_averager": (
             "if inv_grad_scale is not None and self.reuse_grad_buffers:",
@@ -171,25 +230,20 @@ accelerator once per micro-batch.
                 "          mode (there autograd has already added the gradients to the accumulators)"
             ),
             Edit(
-                "        elif inv_grad_scale is None:\n"
-                "            self._accumulators.add_([param.grad for param in self.parameters], alpha=batch_size / "
-                "self._anchor_batch_size)\n"
-                "        else:\n"
-                "            found_inf = self._accumulators.add_finite_(\n"
-                "                [param.grad for param in self.parameters], inv_grad_scale, alpha=batch_size / "
-                "self._anchor_batch_size\n"
-                "            )\n"
-                "            self._dropped_samples.add_(found_inf, alpha=batch_size)\n"
-                "            self._dropped_micro_steps.add_(found_inf)\n"
-                "            self._first_kept_batch_size.add_((self._first_kept_batch_size == 0) * (1 - found_inf), "
+                "        if inv_grad_scale is None:\n"
+                "            self._accumulators.add_(grads, alpha=alpha)\n"
+                "            return None\n"
+                "        found_inf = self._accumulators.add_finite_(grads, inv_grad_scale, alpha=alpha)\n"
+                "        self._dropped_samples.add_(found_inf, alpha=batch_size)\n"
+                "        self._dropped_micro_steps.add_(found_inf)\n"
+                "        self._first_kept_batch_size.add_((self._first_kept_batch_size == 0) * (1 - found_inf), "
                 "alpha=batch_size)\n"
-                "            self._may_have_dropped = True\n"
-                "            return found_inf\n"
-                "        return None\n",
-                "        else:\n"
-                "            self._accumulators.add_([param.grad for param in self.parameters], alpha=batch_size / "
-                "self._anchor_batch_size)\n",
+                "        self._may_have_dropped = True\n"
+                "        return found_inf\n",
+                "        self._accumulators.add_(grads, alpha=alpha)\n",
             ),
+            Edit("            self._attach_grads_()\n            return None\n",
+                 "            self._attach_grads_()\n            return\n"),
             Edit(
                 "        # micro-steps dropped for inf/NaN gradients (accumulate_grads_ with inv_grad_scale), counted on "
                 "the device\n"
@@ -272,8 +326,8 @@ when the all-reduce starts, so applying them again would count them twice.
                 "        self._accumulators.zero_()\n",
             ),
             Edit(
-                "; called by ``step`` right after\n"
-                "        it loaded them, keep them as they are until the round is settled (see :meth:`step`)"
+                ". Right after ``step`` loaded\n"
+                "        them for a round, the accumulators are kept until the round is settled instead (see :meth:`step`)"
             ),
             Edit(
                 "        with self.get_tensors() as averaged_grads:\n"
@@ -305,8 +359,9 @@ all-reduce, and a peer downloading the state copied whatever it received.
 - Optimizer checks the averaged gradients before using them; if they are not finite, the round counts as failed and
   the optimizer steps with this peer's own gradients of the round (or, where the averager keeps none, skips its
   step). A skipped step joins the next state averaging round with weight 0.
-- TrainingStateAverager offers non-finite parameters or statistics as zeros with weight 0, does not take a
-  non-finite result, and neither shares nor takes a non-finite state.
+- TrainingStateAverager offers non-finite parameters or statistics as zeros with weight 0 and does not take a
+  non-finite result. It does not share a non-finite state, and load_state_from_peers (with wait=True, as Optimizer
+  calls it) discards a downloaded state that is not finite.
 - PowerSGDGradientAverager resets error feedback and Q left non-finite by a round before the next one.
 """,
     enters=("round_guard", "state_averager"),
@@ -336,6 +391,13 @@ all-reduce, and a peer downloading the state copied whatever it received.
             "GradientAverager.discard_nonfinite_round_",
             Edit("self.local_fallback.hand_off_(self._loaded_scale, finite=self.round_guard.own_finite)",
                  "self.local_fallback.hand_off_(self._loaded_scale)"),
+            Edit(
+                "\n\n        The loaded gradients are checked once (``round_guard.offer_``) from sums of each chunk, "
+                "taken while the copy\n        writes it (with ``averaged_grads`` given at construction: one read-only "
+                "reduction per tensor). If any is inf\n        or NaN, the buffers are set to zeros and "
+                "``local_samples_accumulated`` to 0, so ``step`` joins the round with\n        weight 0; "
+                "``round_guard.own_finite`` becomes False, and the optimizer skips this epoch's step."
+            ),
             Edit(
                 "        with self.get_tensors() as averaged_grads:\n"
                 "            target, checksums = self._averaged_target(averaged_grads), None\n"

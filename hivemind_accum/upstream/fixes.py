@@ -70,8 +70,8 @@ FIXES: Sequence[Fix] = (
         moved="if client_mode and auxiliary:",
         subject="Optimizer: raise ValueError, not AssertionError, for client_mode with auxiliary",
         why=(
-            "A misconfiguration is reported as a ValueError naming the two arguments, as the constructor's other "
-            "argument checks are, instead of an assertion that python -O removes."
+            "A misconfiguration is reported as a ValueError naming the two arguments instead of an assertion, which "
+            "python -O removes."
         ),
     ),
     Fix(

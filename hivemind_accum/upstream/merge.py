@@ -225,6 +225,16 @@ def _docstring_node(node: ast.AST) -> Optional[ast.Expr]:
     return None
 
 
+def _fit_def_line(line: str) -> str:
+    """a one-line ``def`` longer than :data:`LINE_LENGTH` with its parameters on a line of their own, as black writes
+    it; any other line unchanged"""
+    match = re.match(r"^(\s*)(async def|def) (\w+)\((.*)\)(\s*->\s*[^:]+)?:\s*$", line.rstrip("\n"))
+    if len(line.rstrip("\n")) <= LINE_LENGTH or match is None:
+        return line
+    indent, keyword, name, params, returns = match.groups()
+    return f"{indent}{keyword} {name}(\n{indent}    {params}\n{indent}){returns or ''}:\n"
+
+
 def _private_name(method: str) -> str:
     return BASE_PREFIX + method.strip("_")
 
@@ -744,7 +754,7 @@ class _ClassMerger:
             self.m.add(start, start, self._method_code(node) + "\n")
             def_line = self.m.up.lines[existing.lineno - 1]
             renamed_line = re.sub(rf"\bdef {re.escape(node.name)}\(", f"def {self.renamed[node.name]}(", def_line, count=1)
-            self.m.add(existing.lineno - 1, existing.lineno, renamed_line)
+            self.m.add(existing.lineno - 1, existing.lineno, _fit_def_line(renamed_line))
         elif not _same_code(self._method_code(node), "".join(self.m.up.lines[start:end])):
             self.m.add(start, end, self._method_code(node))
         return end
