@@ -20,6 +20,13 @@ class Edit:
     old: str
     new: str = ""
 
+    def apply(self, text: str, where: str) -> str:
+        """``text`` with ``old`` replaced by ``new``; :class:`FixError` naming ``where`` unless ``old`` is there once"""
+        if text.count(self.old) != 1:
+            found = text.count(self.old)
+            raise FixError(f"{where}: expected this text exactly once, found it {found} times:\n{self.old}")
+        return text.replace(self.old, self.new)
+
 
 Item = Union[str, Edit]
 
@@ -38,10 +45,7 @@ def edit_hivemind(text: str, module: str, changes: Sequence[Change], label: str)
     change makes wrong"""
     for change in changes:
         for edit in change.hivemind.get(module, ()):
-            if text.count(edit.old) != 1:
-                raise FixError(f"{label}: expected this text of hivemind's exactly once ('{change.subject}'), found it "
-                               f"{text.count(edit.old)} times:\n{edit.old}")
-            text = text.replace(edit.old, edit.new)
+            text = edit.apply(text, f"{label}: hivemind's text, edited by '{change.subject}'")
     return text
 
 
@@ -58,12 +62,7 @@ def peel(ours: str, module: str, later: Sequence[Change], label: str) -> str:
         names = [(item, change.subject) for item in items if isinstance(item, str)]
         ours = omit_items(ours, names, label) if names else ours
         for edit in (item for item in items if isinstance(item, Edit)):
-            if ours.count(edit.old) != 1:
-                raise FixError(
-                    f"{label}: expected this text exactly once (left out before '{change.subject}'), found it "
-                    f"{ours.count(edit.old)} times:\n{edit.old}"
-                )
-            ours = ours.replace(edit.old, edit.new)
+            ours = edit.apply(ours, f"{label} (left out before '{change.subject}')")
     return _tidy(ours) if later else ours
 
 

@@ -8,7 +8,7 @@ commit, and the package's workaround is left out of the merge (``omit``).
 import ast
 import textwrap
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 
 class FixError(Exception):
@@ -124,7 +124,13 @@ def omit_items(ours: str, items: Sequence[Tuple[str, str]], name: str) -> str:
         if node is None:
             raise FixError(f"{name}: {item!r} (left out for '{subject}') is not in the module")
         spans.append(_span(lines, node))
-    for start, end in sorted(set(spans), reverse=True):
+    kept: List[Tuple[int, int]] = []  # a span inside another one (a statement of a method also left out) goes with it
+    for start, end in sorted(spans):
+        if kept and start < kept[-1][1]:
+            kept[-1] = (kept[-1][0], max(end, kept[-1][1]))
+        else:
+            kept.append((start, end))
+    for start, end in reversed(kept):
         del lines[start:end]
     return "".join(lines)
 
