@@ -10,9 +10,11 @@ epoch and never send inf/NaN to others. Upstream hivemind 1.1.12 makes the healt
 strict expected failure).
 
 The peers start together (a barrier), wait until their trackers see each other and then step at the same pace, so
-that rounds have both peers; a bad peer sleeps after its epoch transition so that healthy peers transition first and
-never download a lagging peer's state. The checks hold for any round outcome (averaged or failed); the tests also
-require that some round grouped a bad peer with a healthy one, without which they would show nothing.
+that rounds have both peers. A peer with bad gradients that reaches an epoch waits (on shared memory, not the DHT)
+until every peer that is not always bad has reached it, so that those never lag behind and never download its state.
+The checks hold for any round outcome (averaged or failed; PowerSGD, which has no local fallback, gets timeouts long
+enough that a slow peer delays a round instead of failing it); the tests also require that some round grouped a bad
+peer with a healthy one, without which they would show nothing.
 """
 import multiprocessing as mp
 import time
@@ -138,7 +140,7 @@ def test_state_averager_does_not_share_a_nonfinite_state(dht):
             averager.get_current_state()
 
 
-def _peer(rank, num_peers, epochs, config, initial_peers, conn, barrier):
+def _peer(rank, num_peers, epochs, config, initial_peers, conn, barrier, reached, leaders):
     dht = opt = None
     try:
         weight = torch.nn.Parameter(initial_weight())
@@ -151,7 +153,7 @@ def _peer(rank, num_peers, epochs, config, initial_peers, conn, barrier):
         opt = optimizer_cls(
             dht=dht, run_id="nonfinite", params=[weight], optimizer=partial(torch.optim.SGD, lr=1.0),
             target_batch_size=num_peers * MICRO_STEPS * BATCH, batch_size_per_step=BATCH,
-            matchmaking_time=1.0, averaging_timeout=5.0, **config.get("opt_kwargs", {}),
+            **{"matchmaking_time": 1.0, "averaging_timeout": 5.0, **config.get("opt_kwargs", {})},
         )
         rounds = []  # (epoch, control) of every gradient round this peer began
         averager_step = opt.grad_averager.step
@@ -197,8 +199,11 @@ def _peer(rank, num_peers, epochs, config, initial_peers, conn, barrier):
                 barrier.wait(timeout=60)
             if opt.local_epoch != epoch:
                 transitions.append((epoch, weight.detach() - before, weight.detach().clone()))
-                if config.get("bad") or config.get("nan_params"):
-                    time.sleep(0.5)  # let the healthy peers transition first
+                reached[rank] = opt.local_epoch
+                if config.get("bad") or config.get("nan_params"):  # the peers that are not always bad go first
+                    while any(reached[leader] < opt.local_epoch for leader in leaders if leader != rank):
+                        assert time.monotonic() < deadline, f"peer {rank} waits for {list(reached)}"
+                        time.sleep(0.01)
             time.sleep(STEP_SLEEP)
         opt.state_averager.step(wait_for_delayed_updates=True)  # apply delayed optimizer steps and averaging
         outcomes = {}
@@ -220,17 +225,27 @@ def _peer(rank, num_peers, epochs, config, initial_peers, conn, barrier):
             dht.shutdown()
 
 
+ALWAYS_NAN = {"bad": {epoch: "nan" for epoch in range(EPOCHS + 2)}}
+
+
+def always_bad(config) -> bool:
+    return bool(config.get("nan_params")) or config.get("bad") == ALWAYS_NAN["bad"]
+
+
 def run_swarm(configs, epochs=EPOCHS):
     """run one peer per config (rank 0 first: the others join its DHT); return each peer's report"""
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(len(configs))
+    reached = ctx.Array("i", len(configs))  # each peer's local epoch, written after each of its transitions
+    leaders = [rank for rank, config in enumerate(configs) if not always_bad(config)]  # the others wait for them
     conns, processes = [], []
     try:
         for rank, config in enumerate(configs):
             reader, writer = ctx.Pipe(duplex=False)
             initial_peers = None if rank == 0 else maddrs
             process = ctx.Process(
-                target=_peer, args=(rank, len(configs), epochs, config, initial_peers, writer, barrier)
+                target=_peer,
+                args=(rank, len(configs), epochs, config, initial_peers, writer, barrier, reached, leaders),
             )
             process.start()
             writer.close()
@@ -278,9 +293,6 @@ def assert_took_a_healthy_state(report):
     d, final = direction(), report["final"]
     assert torch.isfinite(final).all()
     assert any(torch.allclose(final, initial_weight() - k * d, atol=1e-5) for k in range(EPOCHS + 2)), final
-
-
-ALWAYS_NAN = {"bad": {epoch: "nan" for epoch in range(EPOCHS + 2)}}
 
 
 @pytest.mark.forked
@@ -343,6 +355,8 @@ def test_powersgd_recovers_from_a_round_of_weight_zero_peers():
     opt_kwargs = dict(
         reuse_grad_buffers=True, average_state_every=10**6,
         grad_averager_factory=partial(hivemind_accum.PowerSGDGradientAverager, averager_rank=1),
+        # no local fallback for PowerSGD, so every round must complete: a slow peer delays a round and does not fail it
+        averaging_timeout=60.0, next_chunk_timeout=30.0,
     )
     a, b = run_swarm([dict(opt_kwargs=opt_kwargs, bad={1: "nan"}), dict(opt_kwargs=opt_kwargs, **ALWAYS_NAN)])
     assert_stepped_every_epoch(a, skipped={1})
