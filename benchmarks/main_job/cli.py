@@ -174,7 +174,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     claims = make_claims(
         {row["mode"]: row for row in work_rows}, {(row["section"], row["mode"]): row for row in training_rows}
     )
-    print(f"\nClaims ({len(claims)}, {sum(not c['holds'] for c in claims)} do not hold):\n{format_claims(claims)}\n")
+    failing = sum(not c["holds"] for c in claims)
+    verb = "does" if failing == 1 else "do"
+    print(f"\nClaims ({len(claims)}, {failing} {verb} not hold):\n{format_claims(claims)}\n")
     log_counts = count_log_errors(run_dir)
     output = args.output or Path(run_dir) / "local_accumulation.json"
     what = "hivemind's log and this run's JSON" if args.output is None else "hivemind's log"
