@@ -19,8 +19,7 @@ def _noise(a: float, b: float) -> str:
     """why a micro-step ratio claim failed: process noise, or a real gap"""
     gap = a / b - 1
     if gap <= PROCESS_NOISE:
-        return (f"{gap:.1%} slower, within the {PROCESS_NOISE:.0%} one process varies by here; "
-                "the medians of benchmarks/test_local_accumulation.py decide")
+        return f"{gap:.1%} slower, within this machine's {PROCESS_NOISE:.0%} process noise; benchmark medians decide"
     return f"{gap:.1%} slower, beyond process noise: {UNEXPECTED}"
 
 
@@ -67,7 +66,7 @@ def make_claims(work: Dict[str, Dict[str, Any]], training: Dict[Tuple[str, str],
               step["upstream_reuse"], ms, gap < 0,
               lambda: f"neither does tensor work ({w['inplace']['step_ops']} vs {w['upstream_reuse']['step_ops']} "
                       f"ops); the {gap:.2f} ms is bookkeeping, "
-                      f"{gap / w['inplace']['micro_step_ms']:.1%} of a micro-step")
+                      f"{gap / w['inplace']['micro_step_ms']:.2%} of a micro-step")
         claim("accum in place tensor ops per no-sync step no more than upstream reuse", w["inplace"]["step_ops"],
               w["upstream_reuse"]["step_ops"], count, w["inplace"]["step_ops"] <= w["upstream_reuse"]["step_ops"])
         claim("accum exact host reads per fp16 micro-step no more than upstream (CPU: 1 by design)",
