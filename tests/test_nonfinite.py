@@ -27,7 +27,7 @@ import torch
 
 import hivemind_accum
 from hivemind_accum.optim.round_guard import RoundGuard, all_finite
-from tests.conftest import receive_by_value, send_by_value, shutting_down
+from tests.conftest import receive_by_value, send_by_value, shutting_down, wait_for
 
 EPOCHS, MICRO_STEPS, BATCH = 3, 3, 2  # epochs: at most, and by default; the two-peer NaN tests need two
 STEP_SLEEP = 0.1
@@ -201,9 +201,9 @@ def _peer(rank, num_peers, epochs, config, initial_peers, conn, barrier, reached
                 transitions.append((epoch, weight.detach() - before, weight.detach().clone()))
                 reached[rank] = opt.local_epoch
                 if config.get("bad") or config.get("nan_params"):  # the peers that are not always bad go first
-                    while any(reached[leader] < opt.local_epoch for leader in leaders if leader != rank):
-                        assert time.monotonic() < deadline, f"peer {rank} waits for {list(reached)}"
-                        time.sleep(0.01)
+                    epoch_now = opt.local_epoch
+                    wait_for(lambda: all(reached[leader] >= epoch_now for leader in leaders if leader != rank),
+                             timeout=max(0.0, deadline - time.monotonic()), what=f"peer {rank}'s leaders {leaders}")
             time.sleep(STEP_SLEEP)
         opt.state_averager.step(wait_for_delayed_updates=True)  # apply delayed optimizer steps and averaging
         outcomes = {}

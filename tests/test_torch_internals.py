@@ -127,8 +127,8 @@ def test_foreach_add_with_sparse_tensors_adds_each_value(monkeypatch, no_sparse_
         assert torch.allclose(target, value, rtol=0, atol=1e-6)
     top_level = [e.name for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
     if no_sparse_kernel or torch_internals._NO_SPARSE_KERNEL:  # dense ones still in one fused op
-        # torch 2.3's profiler once lost the parent of an op nested in a sparse add_ (a stray top-level aten::add):
-        # count the adds this call issues, the fused one and one in-place add per sparse tensor
+        # torch 2.3's profiler often loses the parent of ops nested in a sparse add_ (stray top-level aten::add,
+        # _nnz, sparse_dim): count the adds this call issues, the fused one and one in-place add per sparse tensor
         adds = sorted(name for name in top_level if name in ("aten::_foreach_add_", "aten::add_"))
         assert adds == ["aten::_foreach_add_", "aten::add_", "aten::add_"], top_level
     else:
