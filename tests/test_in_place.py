@@ -113,7 +113,11 @@ def test_in_place_two_peers_average_sample_weighted():
                 # the round's local sum stays in .grad (its failed-round fallback) until the round is settled
                 for param, own in zip(model.parameters(), local[models.index(model)], strict=True):
                     torch.testing.assert_close(param.grad, own * averager_micro_steps[models.index(model)])
+                # settling the round leaves .grad alone: an optimizer that is not offloaded steps with it next
                 averager.notify_used_averaged_gradients()
+                for param, own in zip(model.parameters(), local[models.index(model)], strict=True):
+                    torch.testing.assert_close(param.grad, own * averager_micro_steps[models.index(model)])
+                averager.reset_accumulated_grads_()  # hivemind.Optimizer's call once the epoch's step is done
                 assert all(v.count_nonzero() == 0 for v in averager._grad_accumulators())
 
 
@@ -134,3 +138,40 @@ def test_in_place_gradient_memory_equals_native(dht):
     assert {p.grad.untyped_storage().data_ptr() for p in model.parameters()} == bucket_storages
     bucket_bytes = sum(b.flat.untyped_storage().nbytes() for b in averager._accumulators.buckets)
     assert bucket_bytes == sum(p.grad.untyped_storage().nbytes() for p in native.parameters())
+
+
+@pytest.mark.forked
+def test_in_place_create_graph_counts_each_micro_step_once(dht):
+    """backward(create_graph=True) makes autograd replace .grad by .grad + gradient; in place, each micro-step still
+    counts once, as native accumulation does"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="graph", reuse_grad_buffers=True, start=False)
+    batches = [torch.randn(5, 3, generator=torch.Generator().manual_seed(step)) for step in range(3)]
+    for x in batches:
+        model(x).square().mean().backward(create_graph=True)
+        averager.accumulate_grads_(batch_size=5)
+        reference(x).square().mean().backward()
+    for acc, param in zip(averager._grad_accumulators(), reference.parameters(), strict=True):
+        torch.testing.assert_close(acc, param.grad)
+    assert all(p.grad is v for p, v in zip(model.parameters(), averager._grad_accumulators()))
+
+
+@pytest.mark.forked
+def test_in_place_grad_computed_from_the_running_sum_is_refused(dht):
+    """p.grad = f(p.grad) after backward would count the running sum twice: refused, naming the parameter; a .grad
+    replaced after zero_grad (its view not written since) is added as usual"""
+    model = torch.nn.Linear(3, 2)
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="replaced", reuse_grad_buffers=True, start=False)
+    x = torch.ones(1, 3)
+    model(x).sum().backward()
+    averager.accumulate_grads_(batch_size=1)
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()  # a fresh .grad: added
+    averager.accumulate_grads_(batch_size=1)
+    torch.testing.assert_close(model.bias.grad, torch.full((2,), 2.0))
+    model(x).sum().backward()
+    model.bias.grad = model.bias.grad * 0.5
+    with pytest.raises(ValueError, match=r"parameters\[1\] \(shape \(2,\)\).*reuse_grad_buffers=False"):
+        averager.accumulate_grads_(batch_size=1)

@@ -13,7 +13,6 @@ How a gradient travels, in three files:
    :class:`hivemind.averaging.DecentralizedAverager` all-reduces those buffers with peers.
 """
 import numbers
-import operator
 import warnings
 from typing import Iterable, Iterator, Optional, Sequence
 
@@ -25,11 +24,11 @@ from hivemind.optim import grad_averager as upstream
 from hivemind.utils import get_logger
 
 from hivemind_accum.optim.grad_buckets import LOW_PRECISION, GradientBuckets
+from hivemind_accum.optim.grad_views import GradViews
 from hivemind_accum.optim.local_fallback import LocalFallback
 from hivemind_accum.optim.round_guard import RoundGuard
 
 logger = get_logger(__name__)
-_get_grad = operator.attrgetter("grad")
 
 
 class GradientAverager(upstream.GradientAverager):
@@ -112,6 +111,7 @@ class GradientAverager(upstream.GradientAverager):
         self._may_have_dropped = False
         self._anchor_correction = 1.0
         self._local_accumulators = self._accumulators.views  # the name hivemind's other classes read
+        self._grad_views = GradViews(self._accumulators, self.parameters) if reuse_grad_buffers else None
         if reuse_grad_buffers:
             self._attach_grads_()
 
@@ -147,18 +147,9 @@ class GradientAverager(upstream.GradientAverager):
         yield from self._accumulators.views
 
     def _attach_grads_(self) -> None:
-        """in-place mode: add every ``.grad`` that is not its accumulator view into the view, then re-attach the view;
-        while all views are attached this only compares object identities, no tensor work"""
-        views = self._accumulators.views
-        if all(map(operator.is_, map(_get_grad, self.parameters), views)):
-            return  # O(parameters) identity checks in C, about 0.1 us per parameter
-        detached = [i for i, (param, view) in enumerate(zip(self.parameters, views)) if param.grad is not view]
-        sources = [None] * len(views)
-        for i in detached:
-            sources[i] = self.parameters[i].grad
-        self._accumulators.add_(sources)
-        for i in detached:
-            self.parameters[i].grad = views[i]
+        """in-place mode: add every ``.grad`` that is not its accumulator view into the view, then re-attach the view
+        (see :class:`~hivemind_accum.optim.grad_views.GradViews`)"""
+        self._grad_views.attach_()
 
     @torch.no_grad()
     def accumulate_grads_(
@@ -172,16 +163,18 @@ class GradientAverager(upstream.GradientAverager):
         dropped whole (it leaves the averaging weight at the next load). Nothing is read on the host on an accelerator.
 
         In-place mode: autograd already accumulated into the views. A ``.grad`` that was set to None or replaced since
-        the previous call is added into its accumulator and the view re-attached, so nothing is lost or counted twice;
-        a ``.grad`` computed from the old one (``p.grad = p.grad * c``) counts the sum twice (docs/modes.md).
+        the previous call is added into its accumulator and the view re-attached, so nothing is lost or counted twice,
+        ``backward(create_graph=True)`` included; a ``.grad`` computed from the running sum (``p.grad = p.grad * c``)
+        raises instead of counting the sum twice (docs/modes.md).
 
         :param batch_size: number of samples in this micro-batch, a positive integer
         :param inv_grad_scale: optional 0-dim float32 tensor on any device, ``1 / loss_scale`` of this micro-step's
           gradients (``torch.ones(())`` for gradients already unscaled but not yet checked for inf/NaN)
         :returns: with ``inv_grad_scale``, ``found_inf``: a 0-dim float32 tensor on the accumulators' device, 1.0 if
           this micro-step was dropped (what ``torch.amp.GradScaler.update`` reads to back off); otherwise None
-        :raises ValueError: if ``batch_size`` is not a positive integer, or ``inv_grad_scale`` is given in in-place
-          mode (there autograd has already added the gradients to the accumulators)
+        :raises ValueError: if ``batch_size`` is not a positive integer, ``inv_grad_scale`` is given in in-place
+          mode (there autograd has already added the gradients to the accumulators), or, in in-place mode, a
+          ``.grad`` was replaced by a tensor computed from the running sum (the message names the parameter)
         """
         if not is_positive_int(batch_size):
             raise ValueError(f"batch_size: expected a positive int (samples in this micro-batch), got {batch_size!r}")
@@ -292,8 +285,7 @@ class GradientAverager(upstream.GradientAverager):
         self._may_have_dropped = False
         self._anchor_correction = 1.0
         if self.reuse_grad_buffers:
-            for param, view in zip(self.parameters, self._accumulators.views):
-                param.grad = view
+            self._grad_views.reattach_()
         if handing_off:
             self.local_fallback.hand_off_(self._loaded_scale, finite=self.round_guard.own_finite)
         else:

@@ -4,7 +4,7 @@ Keeping an averaging round's local gradients until the round is settled, so that
 This module knows nothing about hivemind's classes. When a round begins, the averager has loaded its accumulators
 (scaled) into the shared buffers that peers all-reduce; the all-reduce then overwrites those buffers. The round's
 local gradients are still in the accumulators: :class:`LocalFallback` leaves them there until the round is settled
-(its result used, or the fallback loaded), then zeroes them. Only if the accumulators are needed for the next
+(its result used, or the fallback loaded), and zeroes them before the next micro-step adds into them. Only if the accumulators are needed for the next
 micro-step while the round is still unsettled (as with ``delay_grad_averaging=True``, where the next epoch
 accumulates during the round) are the local gradients first copied to host memory, once per such round.
 """
@@ -65,11 +65,11 @@ class LocalFallback:
             self._hooks = [param.register_hook(self._before_backward_adds) for param in self._hooked]
 
     def settle_(self) -> None:
-        """the round's result is used: its local gradients are no longer needed, the accumulators are zeroed"""
+        """the round's result is used: its local gradients are no longer a fallback. The accumulators are left as they
+        are until the next micro-step or reset releases them: with an optimizer that is not offloaded, ``.grad`` may
+        be their view (in-place mode) and hold the averaged gradients the optimizer is about to step with"""
         with self._lock:
             self.where = None
-            if self.holding:
-                self.release_()
 
     def load_into_(self, destination: Destination) -> bool:
         """

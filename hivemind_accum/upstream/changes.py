@@ -89,7 +89,9 @@ layout of PyTorch DDP's gradient_as_bucket_view):
   accumulate_in_fp32=False;
 - reuse_grad_buffers=True: every param.grad is a view of the accumulator, so autograd accumulates into it and a
   micro-step does no tensor work. A .grad set to None (zero_grad) or replaced is added into its accumulator and the
-  view re-attached, so no micro-batch is lost or counted twice; Optimizer.zero_grad is allowed in this mode.
+  view re-attached, so no micro-batch is lost or counted twice (backward(create_graph=True) included: a hook run
+  before autograd adds detaches the view, optim/grad_views.py); a .grad computed from the running sum
+  (p.grad = f(p.grad)) raises a ValueError naming the parameter; Optimizer.zero_grad is allowed in this mode.
 
 The averaging-time load is one scaled copy per bucket into the averager's shared buffers, which are flat as well.
 The averaged buffers are float32 for fp16/bf16 parameters, so the optimizer creates a missing .grad in the
@@ -107,7 +109,7 @@ tensors of fp16/bf16 parameters are float32, so the averager's schema hash diffe
 with peers of earlier versions. The fused ops need torch 2.3 or newer (torch._foreach_copy_ and torch.amp), above
 requirements.txt's torch>=1.9.0.
 """,
-    enters=("torch_internals", "grad_buckets", "grad_averager", "optimizer"),
+    enters=("torch_internals", "grad_buckets", "grad_views", "grad_averager", "optimizer"),
     hivemind={
         "grad_averager": (
             Edit(
@@ -298,6 +300,9 @@ The round's local gradients now stay in the accumulators (with reuse_grad_buffer
 is settled, i.e. its result is used or the fallback is loaded (optim/local_fallback.py). Only if the accumulators are
 needed before that, by a micro-step of the next epoch (delay_grad_averaging=True) or reset_accumulated_grads_, are
 they first copied to host memory, once per such round; without delay_grad_averaging no host memory is allocated.
+Settling a round leaves the accumulators alone until the next micro-step or reset_accumulated_grads_ zeroes them:
+with an optimizer that is not offloaded, Optimizer copies the averaged gradients into .grad, which with
+reuse_grad_buffers=True is a view of the accumulators, and steps with them after the round is settled.
 PowerSGDGradientAverager opts out (keep_local_fallback = False): it adds the local gradients into its error feedback
 when the all-reduce starts, so applying them again would count them twice.
 """,
