@@ -485,3 +485,17 @@ def test_missing_grad_receives_averaged_gradient_in_parameter_dtype():
     finally:
         opt.shutdown()
         dht.shutdown()
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("path", ["host_check", "device"])
+def test_inv_grad_scale_of_any_float_dtype(dht, path):
+    """accumulate_grads_ takes inv_grad_scale as float64 (or bfloat16) on both paths, with the float32 result"""
+    force_loss_scaling_path(path)
+    model = torch.nn.Linear(3, 2)
+    averager = GradientAverager(model.parameters(), dht=dht, prefix=f"dtype_{path}", start=False)
+    model(torch.ones(1, 3)).sum().mul(8.0).backward()
+    for dtype in (torch.float64, torch.bfloat16):
+        found_inf = averager.accumulate_grads_(batch_size=1, inv_grad_scale=torch.tensor(0.125, dtype=dtype))
+        assert found_inf.item() == 0.0
+    torch.testing.assert_close(list(averager._grad_accumulators())[1], torch.full((2,), 2.0))

@@ -212,12 +212,14 @@ class GradientBuckets:
         power-of-two scales (docs/mixed-precision.md).
 
         :param sources: as in :meth:`add_`
-        :param inv_scale: 0-dim float32 tensor, ``1 / loss_scale`` (``1.0`` for already unscaled gradients), on any
-          device; copied to each bucket's device (blocking only towards the CPU)
+        :param inv_scale: 0-dim floating-point tensor of any float dtype, ``1 / loss_scale`` (``1.0`` for already
+          unscaled gradients), on any device; copied to each bucket's device (blocking only towards the CPU)
         :param alpha: scalar weight applied to every source
         :returns: ``found_inf``, a 0-dim float32 tensor on the first bucket's device: 1.0 if the sources were
           dropped, 0.0 if they were added
         """
+        if inv_scale.dtype != torch.float32:  # the unscale kernel takes float32 only; a cast on the device, no sync
+            inv_scale = inv_scale.float()
         if _host_check_is_free(self):
             return _add_finite_with_host_check(self, sources, inv_scale, alpha)
         return _add_finite_on_device(self, sources, inv_scale, alpha)
