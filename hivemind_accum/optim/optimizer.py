@@ -161,7 +161,7 @@ class Optimizer(upstream.Optimizer):
             if not isinstance(grad_scaler, HivemindGradScaler):
                 raise ValueError(
                     f"grad_scaler: reuse_grad_buffers=True needs hivemind.GradScaler "
-                    f"(got {type(grad_scaler).__name__}): "
+                    f"(got {_qualified_name(grad_scaler)}): "
                     f"a plain scaler's unscale_ would unscale the accumulated gradients again on every micro-step; "
                     f"or use reuse_grad_buffers=False, which accepts torch.amp.GradScaler"
                 )
@@ -169,9 +169,11 @@ class Optimizer(upstream.Optimizer):
         if isinstance(grad_scaler, HivemindGradScaler) or not isinstance(grad_scaler, torch.amp.GradScaler):
             raise ValueError(
                 f"grad_scaler: reuse_grad_buffers=False needs torch.amp.GradScaler "
-                f"(got {type(grad_scaler).__name__}); "
+                f"(got {_qualified_name(grad_scaler)}); "
                 f"hivemind.GradScaler is for reuse_grad_buffers=True: its unscale_ leaves gradients scaled until the "
-                f"global step, so a loop that clips them would clip scaled values"
+                f"global step, so a loop that clips them would clip scaled values, and upstream hivemind.Optimizer "
+                f"steps with gradients still multiplied by the loss scale here. Use torch.amp.GradScaler "
+                f"(scaler.step(opt)), or reuse_grad_buffers=True"
             )
         record_found_inf_(grad_scaler, self)  # update() needs a record even if this micro-step is discarded
         self._micro_step_scaler = grad_scaler
@@ -330,6 +332,11 @@ class Optimizer(upstream.Optimizer):
 
     def _make_gradient_averager(self, factory: Optional[GradientAveragerFactory], **kwargs) -> GradientAverager:
         return super()._make_gradient_averager(factory if factory is not None else GradientAverager, **kwargs)
+
+
+def _qualified_name(obj) -> str:
+    """``obj``'s class with its module, e.g. ``hivemind.optim.grad_scaler.GradScaler``"""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _named_params(groups, prefix: str) -> List[Tuple[str, torch.Tensor]]:
