@@ -172,8 +172,8 @@ class GradientAverager(upstream.GradientAverager):
           gradients (``torch.ones(())`` for gradients already unscaled but not yet checked for inf/NaN)
         :returns: with ``inv_grad_scale``, ``found_inf``: a 0-dim float32 tensor on the accumulators' device, 1.0 if
           this micro-step was dropped (what ``torch.amp.GradScaler.update`` reads to back off); otherwise None
-        :raises ValueError: if ``batch_size`` is not a positive integer, ``inv_grad_scale`` is given in in-place
-          mode (there autograd has already added the gradients to the accumulators), or, in in-place mode, a
+        :raises ValueError: if ``batch_size`` is not a positive integer, or ``inv_grad_scale`` is given in in-place
+          mode (there autograd has already added the gradients to the accumulators); in in-place mode also if a
           ``.grad`` was replaced by a tensor computed from the running sum (the message names the parameter)
         """
         if not is_positive_int(batch_size):
