@@ -171,7 +171,7 @@ class Optimizer(upstream.Optimizer):
                 f"grad_scaler: reuse_grad_buffers=False needs torch.amp.GradScaler "
                 f"(got {_qualified_name(grad_scaler)}); "
                 f"hivemind.GradScaler is for reuse_grad_buffers=True: its unscale_ leaves gradients scaled until the "
-                f"global step, so a loop that clips them would clip scaled values, and upstream hivemind.Optimizer "
+                f"global step, so a loop that clips them would clip scaled values, and hivemind 1.1.12's Optimizer "
                 f"steps with gradients still multiplied by the loss scale here. Use torch.amp.GradScaler "
                 f"(scaler.step(opt)), or reuse_grad_buffers=True"
             )
