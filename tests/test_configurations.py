@@ -31,7 +31,7 @@ class Config(NamedTuple):
     delay_optimizer_step: bool = False
     delay_grad_averaging: bool = False
     reuse_grad_buffers: bool = False
-    scaler: Optional[str] = None  # None, "hivemind" (opt.step(grad_scaler=...)) or "torch" (scaler.step(opt))
+    scaler: Optional[str] = None  # None or "hivemind" (opt.step(grad_scaler=...))
 
     def __str__(self):
         parts = [f"way{self.way}", "instance" if self.instance else "factory"]
@@ -117,8 +117,6 @@ def build(config: Config, dht: hivemind.DHT, run_id: str, model: torch.nn.Module
 def make_scaler(config: Config):
     if config.scaler == "hivemind":
         return hivemind.GradScaler("cpu", init_scale=LOSS_SCALE, growth_interval=10**6)
-    if config.scaler == "torch":
-        return torch.amp.GradScaler("cpu", init_scale=LOSS_SCALE, growth_interval=10**6)
     return None
 
 
@@ -130,13 +128,9 @@ def micro_step(config: Config, opt, model, direction, scaler) -> None:
     if scaler is None:
         loss.backward()
         opt.step()
-    elif config.scaler == "hivemind":
-        scaler.scale(loss).backward()
-        opt.step(grad_scaler=scaler)
-        scaler.update()
     else:
         scaler.scale(loss).backward()
-        scaler.step(opt)
+        opt.step(grad_scaler=scaler)
         scaler.update()
 
 
