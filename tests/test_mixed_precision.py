@@ -202,7 +202,8 @@ def native_reference(drop: str, overflow=frozenset()):
     return [p.detach().clone() for p in model.parameters()], scaler.get_scale() if drop == "epoch" else None
 
 
-def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivemind_accum.Optimizer, path=None):
+def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivemind_accum.Optimizer, path=None,
+           growth_interval=2000, unscale=False):
     if path is not None:
         force_loss_scaling_path(path)
     model = make_model()
@@ -216,7 +217,8 @@ def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivem
         scaler = hivemind.GradScaler() if not torch.cuda.is_available() else hivemind.GradScaler(enabled=False)
     else:
         scaler_cls = hivemind.GradScaler if scaler_kind == "hivemind" else torch.amp.GradScaler
-        scaler = scaler_cls("cpu", init_scale=SCALE, enabled=scaler_kind != "torch_disabled")
+        scaler = scaler_cls("cpu", init_scale=SCALE, growth_interval=growth_interval,
+                            enabled=scaler_kind != "torch_disabled")
     loaded = {}  # epoch -> (samples, micro-steps) when the accumulators are loaded into the averager
     load = opt.grad_averager.load_accumulators_into_averager_
 
@@ -231,6 +233,8 @@ def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivem
             if not reuse_grad_buffers:
                 opt.zero_grad()
             scaler.scale(loss_fn(model, x, y, step, overflow)).backward()
+            if unscale:  # before clipping, say
+                scaler.unscale_(opt)
             epoch = opt.local_epoch
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 if scaler_kind == "torch_disabled":
@@ -255,11 +259,13 @@ def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivem
 
 
 def train(scaler_kind: str, reuse_grad_buffers: bool, overflow=frozenset(), optimizer_cls=hivemind_accum.Optimizer,
-          path=None):
-    """train one peer in a fresh process; ``path`` forces add_finite_'s loss-scaling path (None: its own choice)"""
+          path=None, growth_interval=2000, unscale=False):
+    """train one peer in a fresh process; ``path`` forces add_finite_'s loss-scaling path (None: its own choice);
+    ``unscale``: the loop calls ``scaler.unscale_(opt)`` after every backward"""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    process = ctx.Process(target=_train, args=(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls, path))
+    process = ctx.Process(target=_train, args=(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls, path,
+                                               growth_interval, unscale))
     process.start()
     result = receive_by_value(queue, timeout=120)
     process.join(timeout=60)
@@ -318,11 +324,85 @@ def test_disabled_grad_scaler_counts_as_none(scaler_kind, reuse_grad_buffers):
 
 
 @pytest.mark.forked
-def test_hivemind_grad_scaler_in_exact_mode_is_a_clear_error():
-    """its unscale_ leaves gradients scaled between global steps: a loop that clips would clip scaled values"""
-    with pytest.raises(ValueError, match=r"needs torch\.amp\.GradScaler \(got hivemind\.optim\.grad_scaler\.GradScaler\)"
-                       r".*hivemind 1\.1\.12.s Optimizer steps with gradients still multiplied by the loss scale"):
-        train("hivemind", reuse_grad_buffers=False)
+@pytest.mark.parametrize("path", LOSS_SCALING_PATHS)
+def test_exact_mode_with_hivemind_grad_scaler_drops_only_the_overflowing_micro_steps(path):
+    """hivemind.GradScaler in exact mode is handled as torch.amp.GradScaler is: each micro-step is unscaled as it is
+    accumulated and an overflowing one is dropped, so the parameters match native accumulation of the kept micro-steps
+    and the scale backs off at once"""
+    overflow = frozenset({2})
+    epoch, params, loaded, _, scales = train("hivemind", reuse_grad_buffers=False, overflow=overflow, path=path)
+    expected, _ = native_reference(drop="micro_step", overflow=overflow)
+    assert epoch == EPOCHS
+    assert loaded == {epoch: (MICRO_STEPS * BATCH, MICRO_STEPS) for epoch in range(EPOCHS)}
+    for ours, ref in zip(params, expected, strict=True):
+        torch.testing.assert_close(ours, ref)
+    assert scales[1] == SCALE and scales[2] == scales[-1] == SCALE / 2
+
+
+@pytest.mark.forked
+def test_exact_mode_grows_a_hivemind_grad_scalers_scale_after_global_steps_as_in_place_mode():
+    """hivemind.GradScaler grows its scale only right after a global step (its update() skips the others): exact mode
+    keeps that, micro-step for micro-step as upstream's in-place mode, and still trains like native accumulation"""
+    exact = train("hivemind", reuse_grad_buffers=False, growth_interval=1)
+    in_place_upstream = train("hivemind", reuse_grad_buffers=True, growth_interval=1, optimizer_cls=hivemind.Optimizer)
+    expected, _ = native_reference(drop="micro_step")
+    assert exact[0] == in_place_upstream[0] == EPOCHS
+    assert exact[4] == in_place_upstream[4]
+    assert exact[4][-1] == SCALE * 2**EPOCHS and exact[4][MICRO_STEPS - 2] == SCALE  # grew once per epoch, no more
+    for ours, ref in zip(exact[1], expected, strict=True):
+        torch.testing.assert_close(ours, ref)
+
+
+@pytest.mark.forked
+def test_hivemind_grad_scaler_unscale_in_exact_mode_is_a_clear_error():
+    """between global steps hivemind.GradScaler.unscale_ only checks for inf/NaN: a loop that clips after it would
+    clip gradients still multiplied by the loss scale"""
+    with pytest.raises(ValueError, match=r"hivemind\.GradScaler\.unscale_\(opt\) was called.*torch\.amp\.GradScaler"):
+        train("hivemind", reuse_grad_buffers=False, unscale=True)
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("call", ["scaler.step(opt)", "opt.step(grad_scaler=scaler)"])
+def test_patched_hivemind_refuses_hivemind_grad_scaler_in_exact_mode_only(call):
+    """way 3: a plain hivemind.Optimizer would step with scaled gradients in exact mode with hivemind.GradScaler (see
+    the test below), so the patch refuses its first micro-step before anything is accumulated; in-place mode with it
+    and exact mode with torch.amp.GradScaler (scaler.step(opt)) still train like native accumulation"""
+    hivemind_accum.patch_hivemind()  # the peers train() forks inherit it
+    # every fork first: a process forked after torch ran its intra-op thread pool here may deadlock
+    runs = {drop: train(scaler_kind, reuse_grad_buffers, optimizer_cls=hivemind.Optimizer)
+            for scaler_kind, reuse_grad_buffers, drop in (("hivemind", True, "epoch"), ("torch", False, "micro_step"))}
+    for drop, (epoch, params, *_) in runs.items():
+        expected, _ = native_reference(drop=drop)
+        assert epoch == EPOCHS
+        for ours, ref in zip(params, expected, strict=True):
+            torch.testing.assert_close(ours, ref)
+    model = make_model()
+    dht = hivemind.DHT(start=True)  # after the forks above: a process forked while a DHT runs may deadlock
+    opt = hivemind.Optimizer(
+        dht=dht, run_id="patched_exact_scaler", params=model.parameters(), optimizer=partial(torch.optim.SGD, lr=LR),
+        target_batch_size=MICRO_STEPS * BATCH, batch_size_per_step=BATCH, tracker_opts=SINGLE_PEER_TRACKER,
+    )
+    try:
+        scaler = hivemind.GradScaler("cpu", init_scale=SCALE)
+        (x, y), = make_batches(1)
+        scaler.scale(loss_fn(model, x, y, 0, ())).backward()
+        with pytest.raises(ValueError, match=r"hivemind\.GradScaler with reuse_grad_buffers=False.*hivemind_accum\.Opt"):
+            scaler.step(opt) if call == "scaler.step(opt)" else opt.step(grad_scaler=scaler)
+        assert opt.grad_averager.local_times_accumulated == 0 and opt.local_epoch == 0
+    finally:
+        opt.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.forked
+@pytest.mark.xfail(strict=True, reason="upstream hivemind 1.1.12 with hivemind.GradScaler and reuse_grad_buffers=False "
+                   "steps with gradients still multiplied by the loss scale")
+def test_upstream_exact_mode_with_hivemind_grad_scaler_steps_with_scaled_gradients():
+    epoch, params, *_ = train("hivemind", reuse_grad_buffers=False, optimizer_cls=hivemind.Optimizer)
+    expected, _ = native_reference(drop="micro_step")
+    assert epoch == EPOCHS
+    for ours, ref in zip(params, expected, strict=True):
+        torch.testing.assert_close(ours, ref)
 
 
 @pytest.mark.forked

@@ -19,6 +19,7 @@ from hivemind_accum.optim.progress_tracker import ProgressTracker
 from hivemind_accum.optim.round_guard import SkipUnusableSteps, all_finite
 from hivemind_accum.optim.state_averager import TrainingStateAverager
 from hivemind_accum.optim.torch_internals import (
+    _optimizer_state,
     declare_scaling_aware_step,
     foreach_zero_,
     inv_loss_scale,
@@ -97,6 +98,7 @@ class Optimizer(upstream.Optimizer):
             client_mode=client_mode, auxiliary=auxiliary, **kwargs,
         )
         self._micro_step_scaler = None
+        self._own_found_inf_record = []  # the overflow tensors step() last recorded in the grad scaler
         if self.use_gradient_averaging and self._guards_gradients():
             # a round whose gradients are not usable (inf/NaN, see _load_averaged_gradients_into_optimizer_) makes the
             # optimizer step, run by the state averager (maybe in its thread), a no-op
@@ -140,18 +142,20 @@ class Optimizer(upstream.Optimizer):
         will report progress to peers, run global or local optimizer step, average parameters or schedule background
         tasks. Loss scaling never synchronizes with an accelerator in the no-sync step (docs/mixed-precision.md):
 
-        - exact mode, ``torch.amp.GradScaler``: each micro-step is unscaled and checked as it is accumulated; one that
-          overflows is dropped whole, its samples leave this peer's progress, and ``update()`` backs the scale off;
+        - exact mode, ``torch.amp.GradScaler`` or ``hivemind.GradScaler``: each micro-step is unscaled and checked as it
+          is accumulated; one that overflows is dropped whole, its samples leave this peer's progress, and ``update()``
+          backs the scale off (``hivemind.GradScaler`` grows it only after a global step, as in in-place mode);
         - in-place mode, ``hivemind.GradScaler``: the accumulated gradients are unscaled and checked once per round;
           an overflow drops the round's local gradients (weight 0, no optimizer step), as native accumulation does.
 
         :param closure: A closure that reevaluates the model and returns the loss
         :param batch_size: optional override for batch_size_per_step from init
-        :param grad_scaler: ``torch.amp.GradScaler`` with ``reuse_grad_buffers=False``, ``hivemind.GradScaler`` with
-          ``reuse_grad_buffers=True``; a disabled scaler counts as none
+        :param grad_scaler: ``torch.amp.GradScaler`` or ``hivemind.GradScaler`` with ``reuse_grad_buffers=False``,
+          ``hivemind.GradScaler`` with ``reuse_grad_buffers=True``; a disabled scaler counts as none
         :raises ValueError: for any other grad scaler: a ``torch.amp.GradScaler`` in in-place mode (its ``unscale_``
-          would unscale the accumulated gradients again every micro-step) or a ``hivemind.GradScaler`` in exact mode
-          (its ``unscale_`` does nothing between global steps, so clipping would see scaled gradients)
+          would unscale the accumulated gradients again every micro-step), or one that is no ``torch.amp.GradScaler``;
+          and in exact mode if the loop called ``hivemind.GradScaler.unscale_(opt)`` (it leaves the gradients scaled
+          between global steps, so whatever read or clipped them saw scaled values)
         """
         if grad_scaler is not None and not grad_scaler.is_enabled():
             grad_scaler = None
@@ -166,15 +170,13 @@ class Optimizer(upstream.Optimizer):
                     f"or use reuse_grad_buffers=False, which accepts torch.amp.GradScaler"
                 )
             return super().step(closure, batch_size, grad_scaler)
-        if isinstance(grad_scaler, HivemindGradScaler) or not isinstance(grad_scaler, torch.amp.GradScaler):
+        if not isinstance(grad_scaler, torch.amp.GradScaler):
             raise ValueError(
-                f"grad_scaler: reuse_grad_buffers=False needs torch.amp.GradScaler "
-                f"(got {_qualified_name(grad_scaler)}); "
-                f"hivemind.GradScaler is for reuse_grad_buffers=True: its unscale_ leaves gradients scaled until the "
-                f"global step, so a loop that clips them would clip scaled values, and hivemind 1.1.12's Optimizer "
-                f"steps with gradients still multiplied by the loss scale here. Use torch.amp.GradScaler "
-                f"(scaler.step(opt)), or reuse_grad_buffers=True"
+                f"grad_scaler: reuse_grad_buffers=False needs torch.amp.GradScaler or hivemind.GradScaler "
+                f"(got {_qualified_name(grad_scaler)})"
             )
+        if isinstance(grad_scaler, HivemindGradScaler):
+            self._begin_hivemind_scaler_micro_step(grad_scaler)
         record_found_inf_(grad_scaler, self)  # update() needs a record even if this micro-step is discarded
         self._micro_step_scaler = grad_scaler
         try:
@@ -182,6 +184,22 @@ class Optimizer(upstream.Optimizer):
             return super().step(closure, batch_size, grad_scaler=None)
         finally:
             self._micro_step_scaler = None
+            self._own_found_inf_record = list(_optimizer_state(grad_scaler, self)["found_inf_per_device"].values())
+
+    def _begin_hivemind_scaler_micro_step(self, scaler: HivemindGradScaler) -> None:
+        """exact mode, ``hivemind.GradScaler``: refuse a loop that called its ``unscale_`` (which, between global steps,
+        only checks for inf/NaN and leaves the gradients scaled); have its ``update()`` reset this optimizer's overflow
+        record after the micro-step, as after a step of its own"""
+        found_infs = _optimizer_state(scaler, self)["found_inf_per_device"].values()
+        if any(all(found_inf is not own for own in self._own_found_inf_record) for found_inf in found_infs):
+            raise ValueError(
+                "grad_scaler: hivemind.GradScaler.unscale_(opt) was called before this step, but between global steps "
+                "it leaves the gradients multiplied by the loss scale, so whatever read or clipped them saw scaled "
+                "values. With reuse_grad_buffers=False use torch.amp.GradScaler, whose unscale_ unscales, or do not "
+                "call unscale_: this step unscales the gradients as it accumulates them"
+            )
+        with scaler._lock:
+            scaler._optimizer_states_to_reset.add(id(self))
 
     def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler: Optional[HivemindGradScaler]) -> bool:
         """accumulate this micro-step's gradients without reading anything on the host on an accelerator (on the CPU:
@@ -205,6 +223,9 @@ class Optimizer(upstream.Optimizer):
             if not self.tracker.ready_to_update_epoch:
                 return
         super()._update_global_epoch(grad_scaler)
+        if isinstance(self._micro_step_scaler, HivemindGradScaler):
+            with self._micro_step_scaler._lock:  # its update() grows the scale only after a global step
+                self._micro_step_scaler._is_ready_to_update = True
 
     def _begin_averaging_gradients(self, grad_scaler: Optional[HivemindGradScaler]) -> bool:
         """in-place mode with a grad scaler: unscale the accumulated gradients and, if they overflowed, drop them

@@ -149,8 +149,10 @@ accelerator once per micro-batch.
   scaler.step(opt) hands the scaler to Optimizer.step. Each micro-step is unscaled, checked and added on the
   device, without a host read; one that holds inf or NaN is dropped whole (a masked add) and its found_inf is
   recorded for the scaler's update(). Dropped micro-steps and samples are counted on the device and subtracted
-  from the progress once per epoch (one host read). hivemind.GradScaler is refused in this mode: its unscale_ does
-  nothing between global steps, so a loop that clips would clip scaled gradients.
+  from the progress once per epoch (one host read). hivemind.GradScaler is handled the same way, and its scale still
+  grows only after a global step. Before, the optimizer stepped with gradients still multiplied by the loss scale in
+  this mode. A loop that calls hivemind.GradScaler.unscale_ here gets an error: between global steps it leaves the
+  gradients scaled, so clipping after it would clip scaled values.
 - reuse_grad_buffers=True with hivemind.GradScaler: the accumulated gradients are unscaled and checked once per
   round, before they reach peers; an overflow drops the round's local gradients (weight 0, no optimizer step), as
   native accumulation does. A torch.amp.GradScaler is refused in this mode.
@@ -275,10 +277,13 @@ accelerator once per micro-batch.
             "Optimizer._check_and_accumulate_gradients",
             "Optimizer._update_global_epoch",
             "Optimizer._begin_averaging_gradients",
+            "Optimizer._begin_hivemind_scaler_micro_step",
             "if self.use_gradient_averaging and not self.auxiliary:",
             Edit("        self._micro_step_scaler = None\n"),  # in __init__ (step, which also sets it, is gone)
+            Edit("        self._own_found_inf_record = []  # the overflow tensors step() last recorded in the grad scaler\n"),
             Edit(
                 "from hivemind_accum.optim.torch_internals import (\n"
+                "    _optimizer_state,\n"
                 "    declare_scaling_aware_step,\n"
                 "    foreach_zero_,\n"
                 "    inv_loss_scale,\n"
