@@ -30,6 +30,8 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+# torch.cuda.is_available() asks NVML, which does not poison fork for the forked CUDA tests (tests/conftest.py)
+export PYTORCH_NVML_BASED_CUDA_CHECK=1
 exec > >(tee -a "$OUT/gpu_run.log") 2>&1
 started=$(date +%s)
 stage() { echo; echo "=== [$(( $(date +%s) - started )) s] $*"; }

@@ -15,9 +15,8 @@ from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAve
 from torch.profiler import ProfilerActivity, profile
 
 from hivemind_accum import GradientAverager
+from tests.conftest import DEVICES, NEEDS_CUDA
 
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 MULTI_TENSOR_CHUNK = 64  # tensors per kernel launch of a two-list foreach op (PyTorch's depth_to_max_tensors[1])
 
 
@@ -108,7 +107,7 @@ def test_guard_catches_upstream_per_parameter_loop(dht, device):
 
 
 @pytest.mark.forked
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs exist only with a CUDA device")
+@NEEDS_CUDA
 @pytest.mark.parametrize("reuse_grad_buffers", [False, True])
 def test_no_host_sync_in_no_sync_step_cuda(dht, reuse_grad_buffers):
     model = make_model(8).cuda()
