@@ -41,7 +41,7 @@ HIVEMIND_IMPLEMENTATIONS = [impl for impl in BENCH_IMPLEMENTATIONS if impl != "n
 @pytest.mark.parametrize("impl", BENCH_IMPLEMENTATIONS)
 @pytest.mark.parametrize("model", BENCH_MODELS)
 def test_micro_step(benchmark, sweep_results, model, impl):
-    runs = sweep_results(model)
+    runs = sweep_results(model, impl, "native")
     benchmark.group = f"micro-step {model}" + (" (cuda, report setting)" if CUDA else "")
     samples = pooled(runs[impl], "micro_step")
     record_samples(benchmark, samples)
@@ -59,7 +59,7 @@ def test_micro_step(benchmark, sweep_results, model, impl):
 @pytest.mark.parametrize("impl", HIVEMIND_IMPLEMENTATIONS)
 @pytest.mark.parametrize("model", BENCH_MODELS)
 def test_no_sync_step(benchmark, sweep_results, model, impl):
-    runs = sweep_results(model)
+    runs = sweep_results(model, impl, "upstream")
     benchmark.group = f"no-sync step {model}" + (" (cuda, host time)" if CUDA else "")
     samples = pooled(runs[impl], "no_sync_step")
     record_samples(benchmark, samples)
@@ -86,7 +86,7 @@ def test_no_sync_step(benchmark, sweep_results, model, impl):
 @pytest.mark.parametrize("impl", HIVEMIND_IMPLEMENTATIONS)
 @pytest.mark.parametrize("model", BENCH_MODELS)
 def test_averaging_time_load(benchmark, sweep_results, model, impl):
-    runs = sweep_results(model)
+    runs = sweep_results(model, impl)
     benchmark.group = f"averaging-time load {model}"
     record_samples(benchmark, pooled(runs[impl], "load"))
 
@@ -96,7 +96,7 @@ def test_averaging_time_load(benchmark, sweep_results, model, impl):
 @pytest.mark.parametrize("model", BENCH_MODELS)
 def test_cuda_work_and_memory(sweep_results, model, impl):
     """deterministic counts from the same worker processes (one profiled no-sync step each), checked per process"""
-    runs = sweep_results(model)
+    runs = sweep_results(model, impl, "native")
     for run, native in zip(runs[impl], runs["native"]):
         work = run["work"]
         assert work.get("error") is None, work
