@@ -1,6 +1,7 @@
 """
-The GPU run's bookkeeping, checked on the CPU with fake workers: the sweep records a failing worker and goes on,
-writes its results after every worker, and the benchmark targets replay a saved sweep without measuring anew.
+The GPU run's bookkeeping, checked on the CPU: the sweep records a failing worker and goes on, writes its results
+after every worker, and the benchmark targets replay a saved sweep without measuring anew (fake workers); the kernel
+launch counts the CUDA targets are computed from (hand-computed cases, and the op count of exact mode's step).
 """
 import json
 import os
@@ -9,8 +10,10 @@ import sys
 
 import pytest
 
-from benchmarks import sweep
+from benchmarks import micro_step_worker, sweep
+from benchmarks.kernel_launches import CHUNK_SIZE, EXACT_STEP_OTHER_OPS, multi_tensor_launches
 from benchmarks.micro_step_worker import WORK_KEYS
+from hivemind_accum.optim import grad_buckets
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,3 +79,47 @@ def test_targets_replay_what_exists_and_name_what_is_missing(tmp_path):
     assert "holds no samples of native on mlp-2x4 (not measured)" in proc.stdout
     assert ("no samples of linear-1m exact, mlp-2x4 native, mlp-2x4 upstream, mlp-2x4 exact, mlp-2x4 inplace; "
             "1 failed worker(s): linear-1m exact round 1") in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "numels, depth, large, launches",
+    [
+        ([], 2, False, 0),
+        ([0, 0], 2, False, 0),  # empty tensors are left out
+        ([1], 2, False, 1),
+        ([1] * 64, 2, False, 1),  # 64 tensors fill one launch of a two-list op
+        ([1] * 65, 2, False, 2),
+        ([1] * 128, 2, False, 2),
+        ([1] * 110, 1, False, 1),  # 110 tensors of a one-list op
+        ([1] * 111, 1, False, 2),
+        ([1] * 30, 5, False, 1),
+        ([1] * 31, 5, False, 2),
+        ([320 * CHUNK_SIZE], 2, False, 1),  # 320 blocks fill one launch
+        ([320 * CHUNK_SIZE + 1], 2, False, 2),
+        ([319 * CHUNK_SIZE, 2 * CHUNK_SIZE], 2, False, 2),  # the second tensor is cut, its last chunk goes on
+        ([1] * 63 + [3 * CHUNK_SIZE], 2, False, 1),  # the 64th tensor fills the launch only with its last chunk
+        ([1] * 63 + [3 * CHUNK_SIZE, 1], 2, False, 2),
+        ([CHUNK_SIZE + 1] * 200, 2, False, 4),  # 400 blocks by 64 tensors: 64, 64, 64, 8 tensors
+        ([4 * CHUNK_SIZE] * 100, 2, False, 2),  # 64 tensors (256 blocks) fill a launch before 320 blocks do
+        ([1] * 448, 2, True, 1),  # 32 KB kernel arguments: 448 tensors, 2240 blocks
+        ([1] * 449, 2, True, 2),
+        ([2240 * CHUNK_SIZE, 1], 1, True, 2),
+    ],
+)
+def test_multi_tensor_launches(numels, depth, large, launches):
+    assert multi_tensor_launches(numels, depth, large_kernel_args=large) == launches
+
+
+def test_multi_tensor_launches_rejects_a_depth_it_does_not_know():
+    with pytest.raises(ValueError, match="depth: expected 1 to 5 tensor lists, got 6"):
+        multi_tensor_launches([1], 6)
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("model", ["mlp-20x8", "mlp-200x8"])
+def test_exact_step_runs_a_fixed_number_of_other_ops(model):
+    """exact mode's loss-scaled no-sync step, on the path an accelerator takes (forced on the CPU), runs its two fused
+    ops and EXACT_STEP_OTHER_OPS others, for 40 and 400 tensors: what the CUDA kernel target counts on"""
+    grad_buckets._host_check_is_free = lambda buckets: False
+    result = micro_step_worker.run("exact", model, steps=1, warmup=2, batch_size=4, threads=1, precision="fp16")
+    assert result["work"]["top_level_ops"] == 2 + EXACT_STEP_OTHER_OPS, result["work"]

@@ -3,10 +3,9 @@ Deterministic cost guards for the no-sync step, counted with ``torch.profiler`` 
 a number of operators that does not grow with the number of parameter tensors, the in-place mode launches none,
 and neither allocates memory. Top-level operators are counted (events without an aten parent): on CPU a fused
 ``_foreach_add_`` over P tensors shows as one top-level event with P ``add_`` children. With CUDA the same guards also
-run on a CUDA model, where device kernels are counted too: a fused op launches one multi-tensor kernel per up to 64
-tensors (PyTorch's multi_tensor_apply chunking), upstream's loop one or more per tensor.
+run on a CUDA model, where device kernels are counted too: a fused op launches as many multi-tensor kernels as PyTorch's
+multi_tensor_apply packs its tensors into (:mod:`benchmarks.kernel_launches`), upstream's loop one or more per tensor.
 """
-import math
 from typing import NamedTuple
 
 import pytest
@@ -14,10 +13,10 @@ import torch
 from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAverager
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.kernel_launches import multi_tensor_launches
 from hivemind_accum import GradientAverager
 from tests.conftest import DEVICES, NEEDS_CUDA
 
-MULTI_TENSOR_CHUNK = 64  # tensors per kernel launch of a two-list foreach op (PyTorch's depth_to_max_tensors[1])
 
 
 class StepCost(NamedTuple):
@@ -63,17 +62,19 @@ def make_model(num_layers: int, width: int = 8, device: str = "cpu") -> torch.nn
 
 def assert_cost_independent_of_tensor_count(averager_cls, dht, reuse_grad_buffers: bool, device: str = "cpu") -> None:
     """the guard: the no-sync step's operator count is the same for 8 and 128 parameter tensors (on CUDA its kernel
-    launches at most one per 64 tensors), allocates nothing and copies nothing to the host"""
-    costs = {}
+    launches at most one fused add's, :func:`benchmarks.kernel_launches.multi_tensor_launches`), allocates nothing and
+    copies nothing to the host"""
+    costs, launches = {}, {}
     for num_layers in (4, 64):
         model = make_model(num_layers, device=device)
         averager = averager_cls(model.parameters(), dht=dht, prefix="guard", reuse_grad_buffers=reuse_grad_buffers,
                                 start=False)
         costs[2 * num_layers] = no_sync_step_cost(averager, model)
+        launches[2 * num_layers] = multi_tensor_launches([p.numel() for p in model.parameters()], depth=2)
     small, large = costs.values()
     assert small.top_level_ops == large.top_level_ops, f"no-sync step work grows with the tensor count: {costs}"
-    for tensors, cost in costs.items():
-        assert cost.kernels <= math.ceil(tensors / MULTI_TENSOR_CHUNK), f"more kernels than foreach needs: {costs}"
+    for tensors, cost in costs.items():  # one fused add: 1 and 2 launches (4 KB kernel arguments), 1 (32 KB)
+        assert cost.kernels <= launches[tensors], f"more kernels than one fused add needs: {costs}, {launches}"
     assert small.allocated_bytes == large.allocated_bytes == 0, f"no-sync step allocates memory: {costs}"
     assert small.device_to_host_copies == large.device_to_host_copies == 0, f"no-sync step copies to host: {costs}"
 
@@ -85,7 +86,7 @@ def test_exact_mode_cost_is_one_fused_op(dht, device):
     model = make_model(64, device=device)
     cost = no_sync_step_cost(GradientAverager(model.parameters(), dht=dht, prefix="guard", start=False), model)
     assert cost.top_level_ops == 1  # one _foreach_add_ for the single (device, float32) bucket
-    assert (cost.kernels >= 1) == (device == "cuda")  # at most ceil(128 / 64) = 2 multi-tensor launches, see above
+    assert (cost.kernels >= 1) == (device == "cuda")  # at most 2 multi-tensor launches for 128 tiny tensors, see above
 
 
 @pytest.mark.forked
