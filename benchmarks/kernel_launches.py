@@ -52,11 +52,9 @@ def multi_tensor_launches(numels: Iterable[int], depth: int, large_kernel_args: 
 
 # exact mode's loss-scaled no-sync step (scaler.step and scaler.update) runs, besides its two fused ops, these aten ops
 # on one element or on the flat buffer, each launching one kernel at most: the inverse scale (2 casts, reciprocal),
-# found_inf (zeros, ne, clamp_), the masked add (masked_fill_, add_), the drop counters and the scaler's update;
-# tests/test_benchmark_tools.py counts them on the CPU
+# found_inf (zeros, the drop mask, clamp_), the masked add (masked_fill_, add_), the drop counters and the scaler's
+# update; tests/test_benchmark_tools.py counts them on the CPU
 EXACT_STEP_OTHER_OPS = 19
-# on an accelerator the staging buffer is allocated zero-filled at every micro-step (one fill kernel)
-EXACT_STEP_STAGING_FILL = 1
 
 
 def exact_step_kernels(numels: Iterable[int], large_kernel_args: bool = False) -> int:
@@ -66,11 +64,11 @@ def exact_step_kernels(numels: Iterable[int], large_kernel_args: bool = False) -
     :param numels: each parameter's element count, in order
     :param large_kernel_args: as in :func:`multi_tensor_launches`
     :returns: the fused copy into staging (depth 2), the fused unscale of the flat staging buffer (depth 1) and
-      :data:`EXACT_STEP_OTHER_OPS` + :data:`EXACT_STEP_STAGING_FILL` launches
+      :data:`EXACT_STEP_OTHER_OPS` launches
     """
     numels = list(numels)
     return (multi_tensor_launches(numels, 2, large_kernel_args) + multi_tensor_launches([sum(numels)], 1, large_kernel_args)
-            + EXACT_STEP_OTHER_OPS + EXACT_STEP_STAGING_FILL)
+            + EXACT_STEP_OTHER_OPS)
 
 
 def main():

@@ -15,7 +15,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.kernel_launches import multi_tensor_launches
 from hivemind_accum import GradientAverager
+from hivemind_accum.optim.grad_buckets import GradientBuckets
 from tests.conftest import DEVICES, NEEDS_CUDA
+from tests.test_mixed_precision import force_loss_scaling_path
 
 
 
@@ -124,3 +126,36 @@ def test_no_host_sync_in_no_sync_step_cuda(dht, reuse_grad_buffers):
     averager.load_accumulators_into_averager_()
     with averager.get_tensors() as averaged:
         assert all(t.device.type == "cpu" for t in averaged)
+
+
+def loss_scaled_add_cost(num_layers: int) -> dict:
+    """profile the second ``GradientBuckets.add_finite_`` of a model's gradients (the first allocates the staging
+    buffer): top-level ops and bytes allocated, and the bytes the first call allocated"""
+    model = make_model(num_layers)
+    buckets = GradientBuckets(list(model.parameters()))
+    grads = [torch.randn_like(param) * 1024 for param in model.parameters()]
+    inv_scale = torch.tensor(1 / 1024)
+    costs = {}
+    for call in ("first", "second"):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            buckets.add_finite_(grads, inv_scale)
+        events = prof.events()
+        costs[call] = StepCost(
+            top_level_ops=sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::")),
+            allocated_bytes=sum(max(e.self_cpu_memory_usage, 0) for e in events),
+            device_to_host_copies=0,
+        )
+    return costs
+
+
+@pytest.mark.forked
+def test_loss_scaled_device_path_allocates_only_its_flags():
+    """add_finite_ as on an accelerator (forced on the CPU): the first micro-step allocates the staging buffer (float32,
+    the gradients' size) and the drop mask (1 byte) once; later ones allocate only the 0-dim found_inf they return (4
+    bytes), and run as many top-level ops for 400 tensors as for 40"""
+    force_loss_scaling_path("device_check")
+    costs = {2 * num_layers: loss_scaled_add_cost(num_layers) for num_layers in (20, 200)}
+    for tensors, cost in costs.items():
+        assert cost["first"].allocated_bytes == 4 * tensors // 2 * (8 * 8 + 8) + 1 + 4, costs
+        assert cost["second"].allocated_bytes == 4, costs
+    assert costs[40]["second"].top_level_ops == costs[400]["second"].top_level_ops == 9, costs
