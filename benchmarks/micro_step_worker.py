@@ -41,6 +41,7 @@ What is measured:
   activities), ``host_reads`` (``aten::_local_scalar_dense``: every ``.item()``/``bool(tensor)``), ``device_syncs``
   (``cudaStreamSynchronize``/``cudaDeviceSynchronize``/``cudaEventSynchronize`` calls), and ``sync_warnings`` (the
   synchronizing operations ``torch.cuda.set_sync_debug_mode("warn")`` reports during one more no-sync step).
+- ``numels``: each parameter's element count, in order (what :mod:`benchmarks.kernel_launches` counts launches from).
 - ``peak_device_bytes`` (``torch.cuda.max_memory_allocated``, CUDA only), ``peak_rss_bytes``, per-micro-step minor
   page faults and system CPU seconds (CPU: to tell allocator or kernel trouble from accumulation work).
 """
@@ -204,7 +205,7 @@ def run(
             dht.shutdown()
     return dict(
         impl=impl, model=model_name, precision=precision, device=device, params=sum(p.numel() for p in model.parameters()),
-        tensors=len(list(model.parameters())), batch_size=batch_size, image_size=image_size, threads=threads,
+        tensors=len(list(model.parameters())), numels=[p.numel() for p in model.parameters()], batch_size=batch_size, image_size=image_size, threads=threads,
         micro_step=micro_steps, no_sync_step=no_sync_steps if opt is not None else [], load=loads,
         minor_faults=minor_faults, system_time=system_times, work=work,
         peak_device_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else None,

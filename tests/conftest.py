@@ -1,12 +1,24 @@
 import contextlib
+import os
 import pickle
 import time
 from typing import Any, Callable, Iterator, List, Optional
 
-import hivemind
-import pytest
-import torch
-from torch import nn
+# set before torch is imported: torch.cuda.is_available() then asks NVML, which does not poison fork where the driver
+# has NVML (elsewhere it falls back to cudaGetDeviceCount, which does: see NEEDS_CUDA)
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+import hivemind  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+# Skip conditions on CUDA, evaluated when a test sets up (for a @pytest.mark.forked test: in its own process), never
+# at import. A CUDA call in the pytest process, torch.cuda.is_available() included, poisons fork: every later forked
+# CUDA test then fails with "Cannot re-initialize CUDA in forked subprocess" (tests/test_cuda_at_import.py). Use them
+# on forked tests only, in modules that import torch (the condition is evaluated in the test module's namespace).
+NEEDS_CUDA = pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:

@@ -3,10 +3,9 @@ Deterministic cost guards for the no-sync step, counted with ``torch.profiler`` 
 a number of operators that does not grow with the number of parameter tensors, the in-place mode launches none,
 and neither allocates memory. Top-level operators are counted (events without an aten parent): on CPU a fused
 ``_foreach_add_`` over P tensors shows as one top-level event with P ``add_`` children. With CUDA the same guards also
-run on a CUDA model, where device kernels are counted too: a fused op launches one multi-tensor kernel per up to 64
-tensors (PyTorch's multi_tensor_apply chunking), upstream's loop one or more per tensor.
+run on a CUDA model, where device kernels are counted too: a fused op launches as many multi-tensor kernels as PyTorch's
+multi_tensor_apply packs its tensors into (:mod:`benchmarks.kernel_launches`), upstream's loop one or more per tensor.
 """
-import math
 from typing import NamedTuple
 
 import pytest
@@ -14,11 +13,12 @@ import torch
 from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAverager
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.kernel_launches import multi_tensor_launches
 from hivemind_accum import GradientAverager
+from hivemind_accum.optim.grad_buckets import GradientBuckets
+from tests.conftest import DEVICES, NEEDS_CUDA
+from tests.test_mixed_precision import force_loss_scaling_path
 
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-MULTI_TENSOR_CHUNK = 64  # tensors per kernel launch of a two-list foreach op (PyTorch's depth_to_max_tensors[1])
 
 
 class StepCost(NamedTuple):
@@ -64,17 +64,19 @@ def make_model(num_layers: int, width: int = 8, device: str = "cpu") -> torch.nn
 
 def assert_cost_independent_of_tensor_count(averager_cls, dht, reuse_grad_buffers: bool, device: str = "cpu") -> None:
     """the guard: the no-sync step's operator count is the same for 8 and 128 parameter tensors (on CUDA its kernel
-    launches at most one per 64 tensors), allocates nothing and copies nothing to the host"""
-    costs = {}
+    launches at most one fused add's, :func:`benchmarks.kernel_launches.multi_tensor_launches`), allocates nothing and
+    copies nothing to the host"""
+    costs, launches = {}, {}
     for num_layers in (4, 64):
         model = make_model(num_layers, device=device)
         averager = averager_cls(model.parameters(), dht=dht, prefix="guard", reuse_grad_buffers=reuse_grad_buffers,
                                 start=False)
         costs[2 * num_layers] = no_sync_step_cost(averager, model)
+        launches[2 * num_layers] = multi_tensor_launches([p.numel() for p in model.parameters()], depth=2)
     small, large = costs.values()
     assert small.top_level_ops == large.top_level_ops, f"no-sync step work grows with the tensor count: {costs}"
-    for tensors, cost in costs.items():
-        assert cost.kernels <= math.ceil(tensors / MULTI_TENSOR_CHUNK), f"more kernels than foreach needs: {costs}"
+    for tensors, cost in costs.items():  # one fused add: 1 and 2 launches (4 KB kernel arguments), 1 (32 KB)
+        assert cost.kernels <= launches[tensors], f"more kernels than one fused add needs: {costs}, {launches}"
     assert small.allocated_bytes == large.allocated_bytes == 0, f"no-sync step allocates memory: {costs}"
     assert small.device_to_host_copies == large.device_to_host_copies == 0, f"no-sync step copies to host: {costs}"
 
@@ -86,7 +88,7 @@ def test_exact_mode_cost_is_one_fused_op(dht, device):
     model = make_model(64, device=device)
     cost = no_sync_step_cost(GradientAverager(model.parameters(), dht=dht, prefix="guard", start=False), model)
     assert cost.top_level_ops == 1  # one _foreach_add_ for the single (device, float32) bucket
-    assert (cost.kernels >= 1) == (device == "cuda")  # at most ceil(128 / 64) = 2 multi-tensor launches, see above
+    assert (cost.kernels >= 1) == (device == "cuda")  # at most 2 multi-tensor launches for 128 tiny tensors, see above
 
 
 @pytest.mark.forked
@@ -108,7 +110,7 @@ def test_guard_catches_upstream_per_parameter_loop(dht, device):
 
 
 @pytest.mark.forked
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs exist only with a CUDA device")
+@NEEDS_CUDA
 @pytest.mark.parametrize("reuse_grad_buffers", [False, True])
 def test_no_host_sync_in_no_sync_step_cuda(dht, reuse_grad_buffers):
     model = make_model(8).cuda()
@@ -124,3 +126,36 @@ def test_no_host_sync_in_no_sync_step_cuda(dht, reuse_grad_buffers):
     averager.load_accumulators_into_averager_()
     with averager.get_tensors() as averaged:
         assert all(t.device.type == "cpu" for t in averaged)
+
+
+def loss_scaled_add_cost(num_layers: int) -> dict:
+    """profile the second ``GradientBuckets.add_finite_`` of a model's gradients (the first allocates the staging
+    buffer): top-level ops and bytes allocated, and the bytes the first call allocated"""
+    model = make_model(num_layers)
+    buckets = GradientBuckets(list(model.parameters()))
+    grads = [torch.randn_like(param) * 1024 for param in model.parameters()]
+    inv_scale = torch.tensor(1 / 1024)
+    costs = {}
+    for call in ("first", "second"):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            buckets.add_finite_(grads, inv_scale)
+        events = prof.events()
+        costs[call] = StepCost(
+            top_level_ops=sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::")),
+            allocated_bytes=sum(max(e.self_cpu_memory_usage, 0) for e in events),
+            device_to_host_copies=0,
+        )
+    return costs
+
+
+@pytest.mark.forked
+def test_loss_scaled_device_path_allocates_only_its_flags():
+    """add_finite_ as on an accelerator (forced on the CPU): the first micro-step allocates the staging buffer (float32,
+    the gradients' size) and the drop mask (1 byte) once; later ones allocate only the 0-dim found_inf they return (4
+    bytes), and run as many top-level ops for 400 tensors as for 40"""
+    force_loss_scaling_path("device_check")
+    costs = {2 * num_layers: loss_scaled_add_cost(num_layers) for num_layers in (20, 200)}
+    for tensors, cost in costs.items():
+        assert cost["first"].allocated_bytes == 4 * tensors // 2 * (8 * 8 + 8) + 1 + 4, costs
+        assert cost["second"].allocated_bytes == 4, costs
+    assert costs[40]["second"].top_level_ops == costs[400]["second"].top_level_ops == 9, costs

@@ -18,12 +18,13 @@ from torch.profiler import ProfilerActivity, profile
 import hivemind_accum
 from hivemind_accum import GradientAverager
 from hivemind_accum.optim import grad_buckets
-from tests.conftest import SINGLE_PEER_TRACKER, MixedNet, mixed_batch, receive_by_value, send_by_value, swarm
+from tests.conftest import (
+    DEVICES, NEEDS_CUDA, SINGLE_PEER_TRACKER, MixedNet, mixed_batch, receive_by_value, send_by_value, swarm,
+)
 from tests.test_grad_scaler import BATCH, EPOCHS, LR, MICRO_STEPS, SCALE, make_model
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero")  # what .item() / bool(tensor) launch
 LOSS_SCALING_PATHS = ["host_check", "device_check"]  # GradientBuckets.add_finite_'s two paths
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def force_loss_scaling_path(path: str) -> None:
@@ -509,7 +510,7 @@ def test_bf16_model_trains_with_two_peers_and_powersgd():
         assert final_loss < 0.8 * initial_loss, (rank, initial_loss, final_loss)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@NEEDS_CUDA
 @pytest.mark.forked
 @pytest.mark.parametrize("reuse_grad_buffers", [False, True], ids=["exact", "in_place"])
 def test_cuda_no_sync_step_with_grad_scaler_does_not_synchronize(reuse_grad_buffers):

@@ -37,7 +37,9 @@ class GradientBucket:
     :param staging: a same-layout buffer of ``flat``'s device and dtype, allocated on first use when gradients must
       be copied (and cast) before they are added: across devices (``accumulate_grads_on``) or across dtypes (float32
       buffers for fp16/bf16 gradients); also to be unscaled and checked for inf/NaN without a host read
-      (:meth:`GradientBuckets.add_finite_`, which on an accelerator stages into a buffer that is not kept)
+      (:meth:`GradientBuckets.add_finite_`)
+    :param drop_mask: a 0-dim bool of ``flat``'s device, allocated on first use: whether
+      :meth:`GradientBuckets.add_finite_` drops the micro-step it adds
     """
 
     flat: torch.Tensor
@@ -46,14 +48,17 @@ class GradientBucket:
     source_device: torch.device
     source_dtype: torch.dtype
     staging: Optional["GradientBucket"] = field(default=None, repr=False)
+    drop_mask: Optional[torch.Tensor] = field(default=None, repr=False)
 
-    def stage_(self, sources: Sequence[Optional[torch.Tensor]], keep: bool = True) -> torch.Tensor:
-        """copy ``sources`` (one per view, None = zeros) into a staging buffer with one fused copy, cast to the
-        buffer's dtype; return the staging buffer flat. ``keep=False`` stages into a buffer that lives only until the
-        caller drops it: on an accelerator, its caching allocator hands the same memory to the next forward pass"""
-        staging = self.staging or _make_bucket(self.views, self.indices, self.flat.device, self.flat.dtype)
-        if keep:
-            self.staging = staging
+    def stage_(self, sources: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+        """copy ``sources`` (one per view, None = zeros) into the staging buffer with one fused copy, cast to the
+        buffer's dtype; return the staging buffer flat"""
+        if self.staging is None:
+            self.staging = _make_bucket(self.views, self.indices, self.flat.device, self.flat.dtype)
+        staging = self.staging
+        if all(grad is not None and not grad.is_sparse for grad in sources):  # the usual micro-step: no index lists
+            foreach_copy_(staging.views, sources)
+            return staging.flat
         present = [k for k, grad in enumerate(sources) if grad is not None]
         absent = [staging.views[k] for k, grad in enumerate(sources) if grad is None]
         if absent:
@@ -208,7 +213,8 @@ class GradientBuckets:
         ``views[i] += alpha * inv_scale * sources[i]`` for every i if every source is finite; if any element of any
         source is inf or NaN, add nothing at all. The sources are not modified. With everything on the CPU the
         decision is read on the host (one read-only pass, then :meth:`add_`); otherwise it stays on the device (fused
-        copy, ``_amp_foreach_non_finite_check_and_unscale_``, masked add). Both paths give bit-identical results for
+        copy into each bucket's staging buffer, kept from the first call on, then
+        ``_amp_foreach_non_finite_check_and_unscale_`` and a masked add). Both paths give bit-identical results for
         power-of-two scales (docs/mixed-precision.md).
 
         :param sources: as in :meth:`add_`
@@ -325,13 +331,13 @@ def _add_finite_with_host_check(
 def _add_finite_on_device(
     buckets: GradientBuckets, sources: Sequence[Optional[torch.Tensor]], inv_scale: torch.Tensor, alpha: float
 ) -> torch.Tensor:
-    """:meth:`GradientBuckets.add_finite_` without a host synchronization: check, unscale and mask on the device"""
+    """:meth:`GradientBuckets.add_finite_` without a host synchronization: check, unscale and mask on the device; from
+    the second call on it allocates only the ``found_inf`` it returns"""
     found_inf = torch.zeros((), dtype=torch.float32, device=buckets.buckets[0].flat.device)
     staged = []
     for bucket in buckets.buckets:
         device = bucket.flat.device
-        # kept only on the CPU (where a fresh buffer costs page faults); on an accelerator it shares cached memory
-        flat = bucket.stage_([sources[i] for i in bucket.indices], keep=device.type == "cpu")
+        flat = bucket.stage_([sources[i] for i in bucket.indices])  # kept: nothing allocated per micro-step
         bucket_inf = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
         bucket_inv_scale = _to_device(inv_scale, device)
         non_finite_check_and_unscale_([flat], bucket_inf, bucket_inv_scale)
@@ -339,6 +345,9 @@ def _add_finite_on_device(
             found_inf.add_(_to_device(bucket_inf, found_inf.device))
         staged.append(flat)
     for bucket, flat in zip(buckets.buckets, staged):  # a micro-step counts only if all of it is finite
-        dropped = _to_device(found_inf, flat.device) != 0
-        bucket.flat.add_(flat.masked_fill_(dropped, 0), alpha=alpha)
+        if bucket.drop_mask is None:
+            bucket.drop_mask = torch.zeros((), dtype=torch.bool, device=flat.device)
+        bucket_inf = _to_device(found_inf, flat.device)
+        torch.logical_or(bucket_inf, bucket_inf, out=bucket.drop_mask)  # found_inf != 0, allocating nothing
+        bucket.flat.add_(flat.masked_fill_(bucket.drop_mask, 0), alpha=alpha)
     return found_inf.clamp_(max=1.0)

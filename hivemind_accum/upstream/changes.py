@@ -193,14 +193,10 @@ accelerator once per micro-batch.
             Edit("    non_finite_check_and_unscale_,\n"),
             Edit(" Adding can also\nunscale the gradients and drop them if not finite, for loss scaling."),
             Edit("; also to be unscaled and checked for inf/NaN without a host read\n"
-                 "      (:meth:`GradientBuckets.add_finite_`, which on an accelerator stages into a buffer that is not "
-                 "kept)"),
-            Edit("    def stage_(self, sources: Sequence[Optional[torch.Tensor]], keep: bool = True) -> torch.Tensor:",
-                 "    def stage_(self, sources: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:"),
-            Edit(" ``keep=False`` stages into a buffer that lives only until the\n"
-                 "        caller drops it: on an accelerator, its caching allocator hands the same memory to the next "
-                 "forward pass"),
-            Edit("        if keep:\n            self.staging = staging\n", "        self.staging = staging\n"),
+                 "      (:meth:`GradientBuckets.add_finite_`)"),
+            Edit("    :param drop_mask: a 0-dim bool of ``flat``'s device, allocated on first use: whether\n"
+                 "      :meth:`GradientBuckets.add_finite_` drops the micro-step it adds\n"),
+            Edit("    drop_mask: Optional[torch.Tensor] = field(default=None, repr=False)\n"),
         ),
         "grad_averager": (
             "if inv_grad_scale is not None and self.reuse_grad_buffers:",

@@ -1,0 +1,125 @@
+"""
+The GPU run's bookkeeping, checked on the CPU: the sweep records a failing worker and goes on, writes its results
+after every worker, and the benchmark targets replay a saved sweep without measuring anew (fake workers); the kernel
+launch counts the CUDA targets are computed from (hand-computed cases, and the op count of exact mode's step).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import micro_step_worker, sweep
+from benchmarks.kernel_launches import CHUNK_SIZE, EXACT_STEP_OTHER_OPS, multi_tensor_launches
+from benchmarks.micro_step_worker import WORK_KEYS
+from hivemind_accum.optim import grad_buckets
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fake_result(impl: str, model: str) -> dict:
+    """what a worker prints, with equal times for every implementation"""
+    return dict(impl=impl, model=model, device="cpu", params=1000, tensors=2, batch_size=4, micro_step=[0.01, 0.01],
+                no_sync_step=[] if impl == "native" else [1e-4, 1e-4], load=[] if impl == "native" else [1e-3],
+                peak_rss_bytes=2**20, peak_device_bytes=None, work=dict.fromkeys(WORK_KEYS, 0))
+
+
+def test_sweep_records_a_failed_worker_and_goes_on(monkeypatch, tmp_path):
+    calls = []
+
+    def run_configuration(impl, model, *args, **kwargs):
+        if calls:  # every earlier worker is already on disk
+            saved = json.loads((tmp_path / "s.json").read_text())
+            assert len(saved["raw"]["m"][calls[-1]]) == 1 or saved["failures"][-1]["impl"] == calls[-1]
+        calls.append(impl)
+        if impl == "exact":
+            raise RuntimeError("python -m benchmarks.micro_step_worker --impl exact failed:\nCUDA error: out of memory")
+        return fake_result(impl, model)
+
+    monkeypatch.setattr(sweep, "run_configuration", run_configuration)
+    with pytest.raises(SystemExit, match=r"1 worker\(s\) failed"):
+        sweep.main(["--models", "m", "--impls", "native", "exact", "inplace", "--rounds", "1", "--no-plot",
+                    "--output-dir", str(tmp_path), "--name", "s"])
+    assert calls == ["native", "exact", "inplace"]
+    saved = json.loads((tmp_path / "s.json").read_text())
+    assert [len(saved["raw"]["m"][impl]) for impl in ("native", "exact", "inplace")] == [1, 0, 1]
+    assert [(f["model"], f["impl"], f["round"]) for f in saved["failures"]] == [("m", "exact", 1)]
+    assert [row["impl"] for row in saved["rows"]] == ["native", "inplace"]
+    assert "- m exact round 1: CUDA error: out of memory" in (tmp_path / "s.md").read_text()
+
+
+def test_merge_adds_to_saved_results(monkeypatch, tmp_path):
+    monkeypatch.setattr(sweep, "run_configuration", lambda impl, model, *a, **k: fake_result(impl, model))
+    common = ["--models", "m", "--rounds", "1", "--no-plot", "--output-dir", str(tmp_path), "--name", "s"]
+    sweep.main(common + ["--impls", "native", "upstream"])
+    sweep.main(common + ["--impls", "upstream_reuse", "--merge"])
+    saved = json.loads((tmp_path / "s.json").read_text())
+    assert {impl: len(runs) for impl, runs in saved["raw"]["m"].items()} == dict(native=1, upstream=1, upstream_reuse=1)
+    assert [row["throughput_vs_native"] for row in saved["rows"]] == [1.0, 1.0, 1.0]
+
+
+def test_targets_replay_what_exists_and_name_what_is_missing(tmp_path):
+    """a model the saved sweep lacks is skipped and named, not measured (a new sweep would outlast the stage)"""
+    raw = {"linear-1m": {impl: [fake_result(impl, "linear-1m")] for impl in ("native", "upstream", "exact", "inplace")}}
+    raw["linear-1m"]["exact"] = []
+    failures = [dict(model="linear-1m", impl="exact", round=1, error="...failed:\nKilled")]
+    (tmp_path / "sweep.json").write_text(json.dumps(dict(raw=raw, failures=failures)))
+    env = dict(os.environ, HIVEMIND_ACCUM_BENCH_RESULTS=str(tmp_path / "sweep.json"),
+               HIVEMIND_ACCUM_BENCH_MODELS="linear-1m mlp-2x4", PYTHONPATH=REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "benchmarks/test_local_accumulation.py",
+         "--benchmark-only", "--benchmark-storage", f"file://{tmp_path}/storage"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # linear-1m: 3 micro-step, 2 no-sync step and 2 load benchmarks; the exact ones and all of mlp-2x4's skipped
+    assert "7 passed, 17 skipped" in proc.stdout, proc.stdout[-3000:]
+    assert "holds no samples of exact on linear-1m (failed: exact: Killed)" in proc.stdout
+    assert "holds no samples of native on mlp-2x4 (not measured)" in proc.stdout
+    assert ("no samples of linear-1m exact, mlp-2x4 native, mlp-2x4 upstream, mlp-2x4 exact, mlp-2x4 inplace; "
+            "1 failed worker(s): linear-1m exact round 1") in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "numels, depth, large, launches",
+    [
+        ([], 2, False, 0),
+        ([0, 0], 2, False, 0),  # empty tensors are left out
+        ([1], 2, False, 1),
+        ([1] * 64, 2, False, 1),  # 64 tensors fill one launch of a two-list op
+        ([1] * 65, 2, False, 2),
+        ([1] * 128, 2, False, 2),
+        ([1] * 110, 1, False, 1),  # 110 tensors of a one-list op
+        ([1] * 111, 1, False, 2),
+        ([1] * 30, 5, False, 1),
+        ([1] * 31, 5, False, 2),
+        ([320 * CHUNK_SIZE], 2, False, 1),  # 320 blocks fill one launch
+        ([320 * CHUNK_SIZE + 1], 2, False, 2),
+        ([319 * CHUNK_SIZE, 2 * CHUNK_SIZE], 2, False, 2),  # the second tensor is cut, its last chunk goes on
+        ([1] * 63 + [3 * CHUNK_SIZE], 2, False, 1),  # the 64th tensor fills the launch only with its last chunk
+        ([1] * 63 + [3 * CHUNK_SIZE, 1], 2, False, 2),
+        ([CHUNK_SIZE + 1] * 200, 2, False, 4),  # 400 blocks by 64 tensors: 64, 64, 64, 8 tensors
+        ([4 * CHUNK_SIZE] * 100, 2, False, 2),  # 64 tensors (256 blocks) fill a launch before 320 blocks do
+        ([1] * 448, 2, True, 1),  # 32 KB kernel arguments: 448 tensors, 2240 blocks
+        ([1] * 449, 2, True, 2),
+        ([2240 * CHUNK_SIZE, 1], 1, True, 2),
+    ],
+)
+def test_multi_tensor_launches(numels, depth, large, launches):
+    assert multi_tensor_launches(numels, depth, large_kernel_args=large) == launches
+
+
+def test_multi_tensor_launches_rejects_a_depth_it_does_not_know():
+    with pytest.raises(ValueError, match="depth: expected 1 to 5 tensor lists, got 6"):
+        multi_tensor_launches([1], 6)
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("model", ["mlp-20x8", "mlp-200x8"])
+def test_exact_step_runs_a_fixed_number_of_other_ops(model):
+    """exact mode's loss-scaled no-sync step, on the path an accelerator takes (forced on the CPU), runs its two fused
+    ops and EXACT_STEP_OTHER_OPS others, for 40 and 400 tensors: what the CUDA kernel target counts on"""
+    grad_buckets._host_check_is_free = lambda buckets: False
+    result = micro_step_worker.run("exact", model, steps=1, warmup=2, batch_size=4, threads=1, precision="fp16")
+    assert result["work"]["top_level_ops"] == 2 + EXACT_STEP_OTHER_OPS, result["work"]
