@@ -11,6 +11,7 @@ swarm; implementations alternate within a seed, so machine load affects both ali
     python -m benchmarks.swarm_training --seeds 5                     # in place, delayed gradient averaging
     python -m benchmarks.swarm_training --seeds 5 --no-delay          # delay_grad_averaging=False
     python -m benchmarks.swarm_training --seeds 3 --exact             # reuse_grad_buffers=False
+    python -m benchmarks.swarm_training --seeds 2 --instance          # an optimizer instance: not offloaded, no delay
 
 Writes a JSON with every run (final loss, per-peer round counts: began, averaged, fell back to local gradients,
 state downloads) to ``--output`` and prints the medians.
@@ -44,6 +45,7 @@ class SwarmConfig:
     target_batch_size: int = 96
     reuse_grad_buffers: bool = True
     delay_grad_averaging: bool = True
+    optimizer_instance: bool = False  # hivemind.Optimizer(optimizer=SGD(...)): not offloaded, no delayed step
     average_state_every: int = 1
     lr: float = 0.1
     lr_gamma: float = 0.1
@@ -94,7 +96,7 @@ class Probe(nn.Module):
 
 
 def record_optimizer_steps(opt, probe_index: int) -> List[torch.Tensor]:
-    """the probe's gradient at every optimizer step of ``opt`` (its offloaded optimizer's ``.grad``, read by a step
+    """the probe's gradient at every optimizer step of ``opt`` (its torch optimizer's ``.grad``, read by a step
     pre-hook in whichever thread steps)"""
     steps = []
 
@@ -173,14 +175,20 @@ def run_peer(config: SwarmConfig, index: int, initial_peers, results) -> None:
     probe = Probe(config.num_peers)
     generator = torch.Generator().manual_seed(config.seed * 1000 + index)
     dht = hivemind.DHT(initial_peers=initial_peers, client_mode=client_mode, start=True)
+    params = [*model.parameters(), probe.weight]
+    scheduler = partial(torch.optim.lr_scheduler.StepLR, gamma=config.lr_gamma, step_size=config.lr_step_size)
+    if config.optimizer_instance:  # hivemind's most common setup; it admits no offload and no delayed step
+        sgd = torch.optim.SGD(params, lr=config.lr)
+        optimizer = dict(optimizer=sgd, scheduler=scheduler(sgd), delay_grad_averaging=False, delay_optimizer_step=False)
+    else:
+        optimizer = dict(params=params, optimizer=partial(torch.optim.SGD, lr=config.lr), scheduler=scheduler,
+                         delay_grad_averaging=config.delay_grad_averaging, delay_optimizer_step=True)
     opt = hivemind.Optimizer(
         dht=dht, run_id=f"swarm_{config.implementation}_{config.seed}", target_batch_size=config.target_batch_size,
-        batch_size_per_step=batch_size, params=[*model.parameters(), probe.weight], optimizer=partial(torch.optim.SGD, lr=config.lr),
-        scheduler=partial(torch.optim.lr_scheduler.StepLR, gamma=config.lr_gamma, step_size=config.lr_step_size),
-        tracker_opts=dict(max_refresh_period=config.max_refresh_period), matchmaking_time=config.matchmaking_time,
-        averaging_timeout=config.averaging_timeout, reuse_grad_buffers=config.reuse_grad_buffers,
-        delay_grad_averaging=config.delay_grad_averaging, delay_optimizer_step=True,
-        average_state_every=config.average_state_every, client_mode=client_mode,
+        batch_size_per_step=batch_size, tracker_opts=dict(max_refresh_period=config.max_refresh_period),
+        matchmaking_time=config.matchmaking_time, averaging_timeout=config.averaging_timeout,
+        reuse_grad_buffers=config.reuse_grad_buffers, average_state_every=config.average_state_every,
+        client_mode=client_mode, **optimizer,
     )
     log = RoundLog(opt)
     probe_steps = record_optimizer_steps(opt, probe_index=len(list(model.parameters())))
@@ -256,6 +264,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--no-delay", action="store_true", help="delay_grad_averaging=False")
     parser.add_argument("--exact", action="store_true", help="reuse_grad_buffers=False")
+    parser.add_argument("--instance", action="store_true",
+                        help="an optimizer instance (not offloaded, no delayed step or averaging)")
     parser.add_argument("--epochs", type=int, default=SwarmConfig.epochs)
     parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
     parser.add_argument("--output", default=None, help="JSON path (default: a file in the temporary directory)")
@@ -283,7 +293,8 @@ def summarize(runs: List[Dict[str, Any]], implementations) -> str:
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
-    base = SwarmConfig(epochs=args.epochs, delay_grad_averaging=not args.no_delay, reuse_grad_buffers=not args.exact)
+    base = SwarmConfig(epochs=args.epochs, delay_grad_averaging=not args.no_delay, reuse_grad_buffers=not args.exact,
+                       optimizer_instance=args.instance)
     runs = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for implementation in args.implementations:

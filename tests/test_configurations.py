@@ -31,12 +31,14 @@ class Config(NamedTuple):
     delay_optimizer_step: bool = False
     delay_grad_averaging: bool = False
     reuse_grad_buffers: bool = False
-    scaler: Optional[str] = None  # None or "hivemind" (opt.step(grad_scaler=...))
+    scaler: Optional[str] = None  # None, "hivemind" (opt.step(grad_scaler=...)) or "torch" (scaler.step(opt))
+    use_local_updates: bool = False
 
     def __str__(self):
         parts = [f"way{self.way}", "instance" if self.instance else "factory"]
         parts += [name for name in ("offload", "delay_optimizer_step", "delay_grad_averaging") if getattr(self, name)]
         parts += ["in_place" if self.reuse_grad_buffers else "exact", f"{self.scaler or 'no'}_scaler"]
+        parts += ["local_updates"] if self.use_local_updates else []
         return "-".join(parts)
 
 
@@ -48,20 +50,28 @@ SETUPS = [
     (False, True, True, False),
     (False, True, True, True),
 ]
+# also admitted at construction, but rejected at the first global step: delay_optimizer_step without offload_optimizer
+# ("AssertionError: Delayed optimizer step is only available with offload_optimizer", hivemind's state averager)
 
 
 def _configs() -> List[Config]:
-    """in-place mode in every setup (way 1), exact mode with an optimizer instance, ways 2 and 3 (upstream's optimizer
-    with this package's averager) where the optimizer is not offloaded, and in-place mode's loss scaler"""
-    instance, factory, offload, delayed = [dict(zip(("instance", "offload", "delay_optimizer_step",
-                                                      "delay_grad_averaging"), setup)) for setup in
-                                           (SETUPS[0], SETUPS[1], SETUPS[2], SETUPS[4])]
+    """in-place mode in every setup (way 1); exact mode with an optimizer instance and with each scaler;
+    ways 2 and 3 (upstream's optimizer with this package's averager) where the optimizer is not offloaded, way 3 with
+    in-place mode's scaler; local updates with a scaler"""
+    instance, factory, offload, _, delayed = [
+        dict(zip(("instance", "offload", "delay_optimizer_step", "delay_grad_averaging"), setup)) for setup in SETUPS
+    ]
     return [
         Config(way=1, reuse_grad_buffers=False, **instance),
         *(Config(way=1, reuse_grad_buffers=True, **setup) for setup in (instance, factory, offload, delayed)),
         Config(way=2, reuse_grad_buffers=True, **instance),
         Config(way=3, reuse_grad_buffers=True, **factory),
         Config(way=1, reuse_grad_buffers=True, scaler="hivemind", **instance),
+        Config(way=3, reuse_grad_buffers=True, scaler="hivemind", **factory),
+        Config(way=1, reuse_grad_buffers=False, scaler="hivemind", **instance),
+        Config(way=1, reuse_grad_buffers=False, scaler="hivemind", **delayed),
+        Config(way=1, reuse_grad_buffers=False, scaler="torch", **offload),
+        Config(way=1, use_local_updates=True, scaler="hivemind", **instance),
     ]
 
 
@@ -105,6 +115,8 @@ def build(config: Config, dht: hivemind.DHT, run_id: str, model: torch.nn.Module
             offload_optimizer=config.offload, delay_optimizer_step=config.delay_optimizer_step,
             delay_grad_averaging=config.delay_grad_averaging,
         )
+    if config.use_local_updates:
+        kwargs["use_local_updates"] = True
     opt = optimizer_cls(
         dht=dht, run_id=run_id, batch_size_per_step=MICRO_BATCH, reuse_grad_buffers=config.reuse_grad_buffers,
         verbose=False, **kwargs,
@@ -115,9 +127,10 @@ def build(config: Config, dht: hivemind.DHT, run_id: str, model: torch.nn.Module
 
 
 def make_scaler(config: Config):
-    if config.scaler == "hivemind":
-        return hivemind.GradScaler("cpu", init_scale=LOSS_SCALE, growth_interval=10**6)
-    return None
+    if config.scaler is None:
+        return None
+    scaler_cls = hivemind.GradScaler if config.scaler == "hivemind" else torch.amp.GradScaler
+    return scaler_cls("cpu", init_scale=LOSS_SCALE, growth_interval=10**6)
 
 
 def micro_step(config: Config, opt, model, direction, scaler) -> None:
@@ -130,7 +143,7 @@ def micro_step(config: Config, opt, model, direction, scaler) -> None:
         opt.step()
     else:
         scaler.scale(loss).backward()
-        opt.step(grad_scaler=scaler)
+        opt.step(grad_scaler=scaler) if config.scaler == "hivemind" else scaler.step(opt)
         scaler.update()
 
 
@@ -226,3 +239,35 @@ def test_every_configuration_steps_with_the_averaged_gradient():
     averaged = {config: sum(check_steps(config, rank, results[index][rank]) for rank in (0, 1))
                 for index, config in enumerate(CONFIGS)}
     assert sum(map(bool, averaged.values())) >= len(CONFIGS) // 2, f"too few configurations averaged: {averaged}"
+
+
+# what hivemind.Optimizer 1.1.12 rejects, with its message: ways 1 and 3 reject it the same way
+REJECTED = [
+    (dict(instance=True, offload_optimizer=True), ValueError, "To enable offload_optimizer or delayed updates"),
+    (dict(instance=True, delay_optimizer_step=True), ValueError, "To enable offload_optimizer or delayed updates"),
+    (dict(delay_grad_averaging=True, delay_optimizer_step=False), AssertionError,
+     "delay_grad_averaging requires delay_optimizer_step"),
+    (dict(use_local_updates=True, reuse_grad_buffers=True), AssertionError,
+     "if local_updates is True, gradients will not be accumulated"),
+    (dict(use_local_updates=True, delay_grad_averaging=True), AssertionError,
+     "if local_updates is True, gradients will not be averaged"),
+    (dict(use_local_updates=True, grad_averager_factory=hivemind_accum.GradientAverager), AssertionError,
+     "if local_updates is True, provided grad_averager_factory will not be used"),
+]
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("way", [1, 3])
+@pytest.mark.parametrize("kwargs, error, message", REJECTED, ids=lambda value: str(value)[:40])
+def test_configurations_hivemind_rejects_are_rejected_with_its_message(dht, way, kwargs, error, message):
+    kwargs = dict(kwargs)
+    model = torch.nn.Linear(3, 2)
+    if kwargs.pop("instance", False):
+        kwargs["optimizer"] = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        kwargs.update(params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    if way == 3:
+        hivemind_accum.patch_hivemind()
+    optimizer_cls = hivemind_accum.Optimizer if way == 1 else hivemind.Optimizer
+    with pytest.raises(error, match=message):
+        optimizer_cls(dht=dht, run_id="rejected", batch_size_per_step=MICRO_BATCH, target_batch_size=8, **kwargs)
