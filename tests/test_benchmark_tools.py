@@ -1,7 +1,8 @@
 """
 The GPU run's bookkeeping, checked on the CPU: the sweep records a failing worker and goes on, writes its results
 after every worker, and the benchmark targets replay a saved sweep without measuring anew (fake workers); the kernel
-launch counts the CUDA targets are computed from (hand-computed cases, and the op count of exact mode's step).
+launch counts the CUDA targets are computed from (hand-computed cases, and the op count of exact mode's step); the
+main job's claims on synthetic rows (load, and reasons that agree with their numbers).
 """
 import json
 import os
@@ -123,3 +124,47 @@ def test_exact_step_runs_a_fixed_number_of_other_ops(model):
     grad_buckets._host_check_is_free = lambda buckets: False
     result = micro_step_worker.run("exact", model, steps=1, warmup=2, batch_size=4, threads=1, precision="fp16")
     assert result["work"]["top_level_ops"] == 2 + EXACT_STEP_OTHER_OPS, result["work"]
+
+
+# ----------------------------------------------- the main job's claims --------------------------------------------
+def _work_rows(**micro_step_ms):
+    """work rows for every mode: in place and exact as cheap as native unless ``micro_step_ms`` says otherwise"""
+    rows = {}
+    for key in ("native", "upstream", "upstream_reuse", "exact", "inplace"):
+        ms = micro_step_ms.get(key, 10.0)
+        rows[key] = dict(no_sync_step_ms=1.0 if key in ("upstream", "exact") else 0.1, no_sync_step_fp16_ms=1.0,
+                         step_ops=0, host_reads_fp16=0, accum_mb_fp32=0.0, accum_mb_fp16=0.0, fallback_mb=0.0,
+                         micro_step_ms=ms, x_native=ms / 10.0, zero_grad_error=None)
+    rows["upstream"]["step_ops"] = rows["upstream_reuse"]["host_reads_fp16"] = 1
+    rows["upstream"]["accum_mb_fp32"] = 1.0
+    rows["upstream_reuse"]["zero_grad_error"] = "ValueError: not allowed"
+    return rows
+
+
+def test_main_job_timing_claims_on_a_loaded_machine_are_not_judged():
+    from benchmarks.main_job.claims import UNEXPECTED, loaded, make_claims
+
+    work = _work_rows(inplace=34.5, upstream_reuse=10.0, upstream=12.0)  # in place 3.45x native
+    idle = dict(cores=2, load_average=[0.9, 0.8, 0.7])
+    busy = dict(cores=2, load_average=[3.1, 2.0, 1.0])
+    assert loaded([idle, idle]) is None
+    assert loaded([idle, busy]).startswith("not judged: the machine was loaded (1-minute load average 3.1 on 2 cores)")
+    for load, judged in ((None, True), (loaded([idle, busy]), False)):
+        claims = {c["text"]: c for c in make_claims(work, {}, load=load)}
+        in_place = claims["accum in place micro-step within 1.03x native"]
+        assert not in_place["holds"] and in_place["judged"] is judged
+        assert (UNEXPECTED in in_place["why"]) is judged and ("not judged" in in_place["why"]) is not judged
+        counts = claims["accum exact tensor ops per no-sync step fewer than upstream"]
+        assert counts["holds"] and counts["judged"]  # a count is judged on any machine
+
+
+def test_main_job_outside_step_reason_agrees_with_its_numbers():
+    """"not this package's cost" only where the time outside opt.step() is no more than the upstream mode's"""
+    from benchmarks.main_job.claims import make_claims
+
+    text = "accum exact micro-step within 1.15x native"
+    # exact: 13.3 ms outside its 1 ms step; upstream: 10.9 ms outside its step: more, so not explained by it
+    why = {c["text"]: c for c in make_claims(_work_rows(exact=24.3, upstream=21.9), {})}[text]["why"]
+    assert "not this package's cost" not in why and "slower" in why
+    why = {c["text"]: c for c in make_claims(_work_rows(exact=24.3, upstream=25.0), {})}[text]["why"]
+    assert why.startswith("opt.step() 1.00 ms; 13.3 ms outside it") and "not this package's cost" in why

@@ -20,7 +20,7 @@ import hivemind
 import torch
 
 import hivemind_accum
-from benchmarks.main_job.claims import make_claims
+from benchmarks.main_job.claims import loaded, machine_load, make_claims
 from benchmarks.main_job.common import LEGEND, SECTIONS
 from benchmarks.main_job.report import (
     TRAINING_COLUMNS, WORK_COLUMNS, count_log_errors, describe_logs, format_claims, format_table,
@@ -82,12 +82,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def progress_printer(verbose: bool) -> Callable[[str], None]:
-    """``--verbose``: progress lines on stdout; otherwise one status line on a terminal's stderr, overwritten"""
+    """``--verbose``: progress lines on stdout; otherwise one status line on a terminal's stderr, overwritten, or,
+    where stderr is not a terminal, the first line of each section (``[work]``, ``[peers]``, ...) on stdout"""
     if verbose:
         return lambda line: print(line, flush=True)
     if sys.stderr.isatty():
         return lambda line: print(f"\r\033[K{line[:119]}", end="", file=sys.stderr, flush=True)
-    return lambda line: None
+    sections = set()
+
+    def first_of_each_section(line: str) -> None:
+        section = line.split("]")[0] + "]" if line.startswith("[") else None
+        if section is not None and section not in sections:
+            sections.add(section)
+            print(line, flush=True)
+
+    return first_of_each_section
 
 
 def run_large(args: argparse.Namespace, run_dir: str) -> None:
@@ -149,11 +158,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     os.environ.update(MALLOC_ENV)  # every process started from here on: the sweep's allocator settings
     started, progress = time.perf_counter(), progress_printer(args.verbose)
     print(LEGEND, flush=True)
-    work_rows, seconds = [], {}
+    work_rows, seconds, load = [], {}, dict(start=machine_load())
     if "work" in args.sections:
         config = WorkConfig(steps=args.work_steps, warmup=args.work_warmup, fp16_steps=args.work_fp16_steps,
                             batch_size=4, threads=1)
         work_rows = run_work(config, run_dir, args.timeout, progress)
+        load["after_work"] = machine_load()
         seconds["work"] = time.perf_counter() - started
         progress("")
         print(f"\nWork per no-sync micro-step, one process per mode in turn ({work_rows[0]['params'] / 1e6:.1f} M "
@@ -171,12 +181,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             for peer in row["per_peer"]:
                 print(f"  {run_label(row['section'], row['mode'])} peer {peer.get('peer', 0)}: {peer['epochs']} epochs, "
                       f"{peer['micro_steps']} micro-steps, {peer['train_s']:.1f} s")
+    load["end"] = machine_load()
+    work_load = loaded([load["start"], load.get("after_work", load["start"])])
+    print(f"\nMachine load: {load['start']['cores']} cores; 1/5/15-minute load average "
+          + "; ".join(f"{when.replace('_', ' ')} {'/'.join(f'{v:.1f}' for v in sample['load_average'])}"
+                      for when, sample in load.items())
+          + (f" (timing claims: {work_load})" if work_load else ""), flush=True)
     claims = make_claims(
-        {row["mode"]: row for row in work_rows}, {(row["section"], row["mode"]): row for row in training_rows}
+        {row["mode"]: row for row in work_rows}, {(row["section"], row["mode"]): row for row in training_rows},
+        load=work_load,
     )
-    failing = sum(not c["holds"] for c in claims)
+    failing = sum(not c["holds"] and c["judged"] for c in claims)
+    unjudged = sum(not c["judged"] for c in claims)
     verb = "does" if failing == 1 else "do"
-    print(f"\nClaims ({len(claims)}, {failing} {verb} not hold):\n{format_claims(claims)}\n")
+    print(f"\nClaims ({len(claims)}, {failing} {verb} not hold, {unjudged} not judged):\n{format_claims(claims)}\n")
     log_counts = count_log_errors(run_dir)
     output = args.output or Path(run_dir) / "local_accumulation.json"
     what = "hivemind's log and this run's JSON" if args.output is None else "hivemind's log"
@@ -188,7 +206,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         versions=dict(
             torch=torch.__version__, hivemind=hivemind.__version__, hivemind_accum=hivemind_accum.__version__
         ),
-        wall_s=wall_seconds, section_s=seconds, work=work_rows, training=training_rows, claims=claims, log=log_counts,
+        wall_s=wall_seconds, section_s=seconds, load=load, work=work_rows, training=training_rows, claims=claims,
+        log=log_counts,
     )
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2) + "\n")

@@ -53,11 +53,12 @@ def format_table(rows: Sequence[Dict[str, Any]], columns: Sequence[Tuple[str, st
 
 
 def format_claims(claims: Sequence[Dict[str, Any]]) -> str:
-    """one line per claim (``holds`` or ``does not hold``, then the claim and its numbers), and a ``why:`` line under
-    each claim that does not hold"""
+    """one line per claim (``holds``, ``does not hold`` or ``not judged``, then the claim and its numbers), and a
+    ``why:`` line under each claim that does not hold"""
     lines = []
     for c in claims:
-        lines.append(f"{'holds' if c['holds'] else 'does not hold':<13}  {c['text']}: {c['a']} vs {c['b']}")
+        verdict = "holds" if c["holds"] else "does not hold" if c.get("judged", True) else "not judged"
+        lines.append(f"{verdict:<13}  {c['text']}: {c['a']} vs {c['b']}")
         if not c["holds"]:
             lines.append(f"{'':13}  why: {c['why']}"[:WIDTH])
     return "\n".join(lines)
