@@ -1,12 +1,28 @@
 import contextlib
 import pickle
+import random
 import time
 from typing import Any, Callable, Iterator, List, Optional
 
 import hivemind
+import numpy as np
 import pytest
 import torch
 from torch import nn
+
+
+@pytest.fixture(autouse=True)
+def seeded_random_state():
+    """
+    Every test starts from the same random state: torch's (CPU and CUDA), Python's ``random`` and numpy's, seeded
+    with 0, in the process that runs the test (for a forked test: its child). Peers forked from it inherit torch's
+    and numpy's state, so what they draw is the same at every run. Python's ``random`` is reseeded from the OS in
+    every forked child (``os.register_at_fork``): a peer that needs reproducible draws from it uses its own
+    ``random.Random(seed)``.
+    """
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
