@@ -49,9 +49,23 @@ class Optimizer(upstream.Optimizer):
     See :class:`hivemind.Optimizer` for all parameters.
     """
 
+    def __new__(cls, *args, **kwargs):
+        """refuses positional arguments with a message naming the required ones (Python's own error for a
+        keyword-only constructor would say that the required keyword arguments are missing)"""
+        if args:
+            signature = inspect.signature(upstream.Optimizer.__init__)
+            required = [name for name, p in signature.parameters.items() if p.default is p.empty][1:]  # not self
+            raise TypeError(
+                f"{cls.__name__} takes keyword arguments only, as hivemind.Optimizer does (got {len(args)} "
+                f"positional): pass each argument by name; {', '.join(f'{name}=' for name in required)} are "
+                f"required, e.g. {cls.__name__}(dht=dht, run_id=..., target_batch_size=..., batch_size_per_step=..., "
+                f"params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params))"
+            )
+        return super().__new__(cls)
+
     def __init__(
         self,
-        *args,
+        *,
         dht: DHT,
         optimizer,
         params=None,
@@ -69,13 +83,6 @@ class Optimizer(upstream.Optimizer):
           ``auxiliary`` are both true, or if a parameter is listed twice in ``params`` (or, without ``params``, in the
           optimizer's ``param_groups``): the message names both positions
         """
-        if args:
-            raise TypeError(
-                f"{type(self).__name__} takes keyword arguments only, as hivemind.Optimizer does (got {len(args)} "
-                f"positional): e.g. {type(self).__name__}(dht=dht, run_id=..., target_batch_size=..., "
-                f"batch_size_per_step=..., params=model.parameters(), "
-                f"optimizer=lambda params: torch.optim.SGD(params))"
-            )
         if batch_size_per_step is not None and not is_positive_int(batch_size_per_step):
             raise ValueError(
                 f"batch_size_per_step: expected a positive int (samples per micro-step) or None (then pass "
@@ -109,7 +116,8 @@ class Optimizer(upstream.Optimizer):
             # flag on the host before every micro-step in the exact mode as in the in-place one
             declare_scaling_aware_step(self)
 
-    __init__.__signature__ = inspect.signature(upstream.Optimizer.__init__)  # help() lists upstream's arguments
+    # help() and inspect.signature list upstream's arguments (inspect reads a class's own __new__ first)
+    __new__.__signature__ = __init__.__signature__ = inspect.signature(upstream.Optimizer.__init__)
 
     def __del__(self):
         if hasattr(self, "state_averager"):  # a constructor that raised early has nothing to shut down
