@@ -123,16 +123,19 @@ def _optimizer_state(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimi
     try:
         state = states[id(optimizer)]
     except (KeyError, TypeError) as e:
-        raise _changed(f"GradScaler._per_optimizer_states[id(optimizer)] cannot be read ({type(e).__name__}: {e})")
+        raise _changed(
+            f"torch.amp.GradScaler._per_optimizer_states[id(optimizer)] cannot be read ({type(e).__name__}: {e})"
+        )
     missing = [key for key in ("stage", "found_inf_per_device") if not isinstance(state, dict) or key not in state]
     if missing:
         raise _changed(
-            f"GradScaler._per_optimizer_states[id(optimizer)] has no {' or '.join(repr(k) for k in missing)} "
+            f"torch.amp.GradScaler._per_optimizer_states[id(optimizer)] has no "
+            f"{' or '.join(repr(k) for k in missing)} "
             f"(it holds {sorted(state) if isinstance(state, dict) else type(state).__name__})"
         )
     if not isinstance(state["found_inf_per_device"], dict):
         raise _changed(
-            f"GradScaler._per_optimizer_states[id(optimizer)]['found_inf_per_device'] is a "
+            f"torch.amp.GradScaler._per_optimizer_states[id(optimizer)]['found_inf_per_device'] is a "
             f"{type(state['found_inf_per_device']).__name__}, not a dict from device to overflow flag"
         )
     return state
@@ -143,7 +146,9 @@ def _opt_state_unscaled() -> enum.Enum:
     opt_state = getattr(amp_grad_scaler, "OptState", None)
     unscaled = getattr(opt_state, "UNSCALED", None)
     if not isinstance(unscaled, enum.Enum):
-        raise _changed("torch.amp.grad_scaler.OptState.UNSCALED (the stage GradScaler.unscale_ records) is missing")
+        raise _changed(
+            "torch.amp.grad_scaler.OptState.UNSCALED (the stage torch.amp.GradScaler.unscale_ records) is missing"
+        )
     return unscaled
 
 
@@ -157,7 +162,8 @@ def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
     scale = getattr(scaler, "_scale", None)
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or not scale.is_floating_point():
         raise _changed(
-            f"GradScaler._scale is {type(scale).__name__ if not isinstance(scale, torch.Tensor) else scale.shape}, "
+            f"torch.amp.GradScaler._scale is "
+            f"{type(scale).__name__ if not isinstance(scale, torch.Tensor) else scale.shape}, "
             f"not the one-element float tensor holding the loss scale (was scaler.scale(loss) called?)"
         )
     return scale
@@ -225,14 +231,16 @@ def check_grad_scaler_internals() -> None:
         scaler.scale(param.sum()).backward()
         if loss_scale(scaler).item() != scaler.get_scale():
             raise _changed(
-                f"GradScaler._scale holds {loss_scale(scaler).item()}, get_scale() says {scaler.get_scale()}"
+                f"torch.amp.GradScaler._scale holds {loss_scale(scaler).item()}, get_scale() says {scaler.get_scale()}"
             )
         if inv_loss_scale(scaler, optimizer).item() != 1 / scaler.get_scale():
-            raise _changed("the inverse of GradScaler._scale is not 1 / get_scale() before unscale_")
+            raise _changed("the inverse of torch.amp.GradScaler._scale is not 1 / get_scale() before unscale_")
         record_found_inf_(scaler, optimizer)
         scaler.unscale_(optimizer)
         if inv_loss_scale(scaler, optimizer).item() != 1.0:
-            raise _changed("after GradScaler.unscale_(optimizer) the optimizer's stage is not OptState.UNSCALED")
+            raise _changed(
+                "after torch.amp.GradScaler.unscale_(optimizer) the optimizer's stage is not OptState.UNSCALED"
+            )
         record_found_inf_(scaler, optimizer, torch.tensor(float(overflow)))
         optimizer.handed = None
         with warnings.catch_warnings():  # torch 2.x announces that it may stop handing itself over (FutureWarning)
@@ -240,13 +248,13 @@ def check_grad_scaler_internals() -> None:
             scaler.step(optimizer)
         if optimizer.handed is not scaler:
             raise _changed(
-                "GradScaler.step does not hand itself to optimizer.step(grad_scaler=...) for an optimizer with "
-                "_step_supports_amp_scaling = True"
+                "torch.amp.GradScaler.step does not hand itself to optimizer.step(grad_scaler=...) for an optimizer "
+                "with _step_supports_amp_scaling = True"
             )
         scaler.update()
         if scaler.get_scale() != expected_scale:
             raise _changed(
-                f"GradScaler.update() left the scale at {scaler.get_scale()} after a recorded "
+                f"torch.amp.GradScaler.update() left the scale at {scaler.get_scale()} after a recorded "
                 f"{'overflow' if overflow else 'clean step'} (expected {expected_scale}): it no longer reads "
                 f"_per_optimizer_states[id(optimizer)]['found_inf_per_device']"
             )
