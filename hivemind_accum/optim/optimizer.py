@@ -19,6 +19,7 @@ from hivemind_accum.optim.progress_tracker import ProgressTracker
 from hivemind_accum.optim.round_guard import SkipUnusableSteps, all_finite
 from hivemind_accum.optim.state_averager import TrainingStateAverager
 from hivemind_accum.optim.torch_internals import (
+    check_hivemind_grad_scaler_internals,
     declare_scaling_aware_step,
     foreach_zero_,
     inv_loss_scale,
@@ -160,6 +161,8 @@ class Optimizer(upstream.Optimizer):
         :raises ValueError: for any other grad scaler: a ``torch.amp.GradScaler`` in in-place mode (its ``unscale_``
           would unscale the accumulated gradients again every micro-step) or a ``hivemind.GradScaler`` in exact mode
           (its ``unscale_`` does nothing between global steps, so clipping would see scaled gradients)
+        :raises TorchInternalsError: at the first step with a grad scaler, if a private torch interface that loss
+          scaling relies on changed in this torch release (the message names it; docs/compatibility.md)
         """
         if grad_scaler is not None and not grad_scaler.is_enabled():
             grad_scaler = None
@@ -173,6 +176,7 @@ class Optimizer(upstream.Optimizer):
                     f"a plain scaler's unscale_ would unscale the accumulated gradients again on every micro-step; "
                     f"or use reuse_grad_buffers=False, which accepts torch.amp.GradScaler"
                 )
+            check_hivemind_grad_scaler_internals()  # before the scaler unscales or checks anything
             return super().step(closure, batch_size, grad_scaler)
         if isinstance(grad_scaler, HivemindGradScaler) or not isinstance(grad_scaler, torch.amp.GradScaler):
             raise ValueError(
