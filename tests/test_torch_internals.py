@@ -4,6 +4,7 @@ torch release (CI runs this file on every release it covers), a changed interfac
 and the interface at its first use, before anything is modified, the fused ops' sparse fallback gives the values of
 per-tensor ops, and setup.py, CI's environments and docs/compatibility.md name the same releases.
 """
+import ast
 import re
 import warnings
 from functools import partial
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 from torch.profiler import ProfilerActivity, profile
 
 import hivemind_accum
@@ -255,12 +257,27 @@ def test_foreach_add_of_dense_tensors_is_one_fused_op_on_every_torch(monkeypatch
     assert not [e for e in prof.events() if e.cpu_parent is None and e.name == "aten::add_"]
 
 
-def test_claimed_torch_range_is_the_tested_range():
-    """setup.py claims exactly TESTED_TORCH's oldest to newest; requirements.txt pins the default environment's
-    release, .ci/torch-<version>.txt pins each other one (.ci/run runs every such file), and docs/compatibility.md
-    lists exactly these releases"""
-    oldest, newest = TESTED_TORCH[0], TESTED_TORCH[-1]
-    assert re.findall(r'"torch([^"]*)"', (REPO / "setup.py").read_text()) == [f">={oldest},<={newest}"]
+def install_requires() -> dict:
+    """setup.py's install_requires, parsed: {name: Requirement}"""
+    tree = ast.parse((REPO / "setup.py").read_text())
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup"]
+    (call,) = calls
+    requires = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "install_requires"))
+    return {requirement.name: requirement for requirement in map(Requirement, requires)}
+
+
+def test_setup_requires_hivemind_1_1_12_and_torch_without_an_upper_bound():
+    """pip keeps an installed torch newer than the tested ones (the run-time checks guard it) and never downgrades it"""
+    requires = install_requires()
+    assert sorted(requires) == ["hivemind", "torch"]
+    assert str(requires["hivemind"].specifier) == "==1.1.12"
+    assert [(spec.operator, spec.version) for spec in requires["torch"].specifier] == [(">=", TESTED_TORCH[0])]
+    assert requires["torch"].specifier.contains("2.15.0") and requires["torch"].specifier.contains("3.0.0")
+
+
+def test_tested_releases_are_the_ci_environments_and_the_documented_ones():
+    """requirements.txt pins the default environment's release, .ci/torch-<version>.txt pins each other one (.ci/run
+    runs every such file), and docs/compatibility.md's table lists exactly these releases"""
     default = re.findall(r"^torch==(\S+)$", (REPO / "requirements.txt").read_text(), re.M)
     others = sorted(path.name[len("torch-"):-len(".txt")] for path in (REPO / ".ci").glob("torch-*.txt"))
     assert sorted(default + others, key=_release) == list(TESTED_TORCH)
