@@ -1,6 +1,7 @@
 import contextlib
 import os
 import pickle
+import random
 import time
 from typing import Any, Callable, Iterator, List, Optional
 
@@ -9,6 +10,7 @@ from typing import Any, Callable, Iterator, List, Optional
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import hivemind  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -19,6 +21,20 @@ from torch import nn  # noqa: E402
 # on forked tests only, in modules that import torch (the condition is evaluated in the test module's namespace).
 NEEDS_CUDA = pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
+
+
+@pytest.fixture(autouse=True)
+def seeded_random_state():
+    """
+    Every test starts from the same random state: torch's (CPU and CUDA), Python's ``random`` and numpy's, seeded
+    with 0, in the process that runs the test (for a forked test: its child). Peers forked from it inherit torch's
+    and numpy's state, so what they draw is the same at every run. Python's ``random`` is reseeded from the OS in
+    every forked child (``os.register_at_fork``): a peer that needs reproducible draws from it uses its own
+    ``random.Random(seed)``.
+    """
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:

@@ -233,6 +233,17 @@ def test_optimizer_rejects_positional_arguments_without_a_second_error(dht, monk
     assert unraisable == []
 
 
+def test_optimizer_names_the_required_arguments_for_positional_ones():
+    """the constructor's own message, not Python's "missing 2 required keyword-only arguments: 'dht' and
+    'optimizer'" (dht was passed, by position)"""
+    with pytest.raises(TypeError) as error:
+        hivemind_accum.Optimizer(object(), "run", 100)
+    assert str(error.value).startswith(
+        "Optimizer takes keyword arguments only, as hivemind.Optimizer does (got 3 positional): pass each argument "
+        "by name; dht=, run_id=, target_batch_size=, optimizer= are required, e.g. Optimizer(dht=dht, run_id=..., "
+    )
+
+
 @pytest.mark.forked
 @pytest.mark.parametrize("batch_size_per_step", [0, -4, 2.5, True, "4"])
 def test_optimizer_rejects_invalid_batch_size_per_step_at_construction(dht, batch_size_per_step):

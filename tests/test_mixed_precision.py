@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import hivemind_accum
 from hivemind_accum import GradientAverager
-from hivemind_accum.optim import grad_buckets
+from hivemind_accum.optim import grad_buckets, torch_internals
 from tests.conftest import (
     DEVICES, NEEDS_CUDA, SINGLE_PEER_TRACKER, MixedNet, mixed_batch, receive_by_value, send_by_value, swarm,
 )
@@ -220,6 +220,7 @@ def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivem
         scaler_cls = hivemind.GradScaler if scaler_kind == "hivemind" else torch.amp.GradScaler
         scaler = scaler_cls("cpu", init_scale=SCALE, growth_interval=growth_interval,
                             enabled=scaler_kind != "torch_disabled")
+    torch_internals.check_torch_internals()  # the first use's checks of torch's private interfaces, not profiled below
     loaded = {}  # epoch -> (samples, micro-steps) when the accumulators are loaded into the averager
     load = opt.grad_averager.load_accumulators_into_averager_
 

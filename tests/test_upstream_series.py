@@ -527,15 +527,19 @@ from pkg import box as upstream
 
 
 class Box(upstream.Box):
-    def __init__(self, *args, size: int, **kwargs):
+    def __new__(cls, *args, **kwargs):
+        """refuses positional arguments"""
         if args:
             raise TypeError("keyword arguments only")
+        return super().__new__(cls)
+
+    def __init__(self, *, size: int, **kwargs):
         if size < 0:
             raise ValueError("size")
         super().__init__(size=size, **kwargs)
         self.lock = threading.Lock()
 
-    __init__.__signature__ = inspect.signature(upstream.Box.__init__)
+    __new__.__signature__ = __init__.__signature__ = inspect.signature(upstream.Box.__init__)
 
     def grow(self, by: int, scale=None):
         if scale is not None:
@@ -568,7 +572,8 @@ def test_merge_inlines_wrappers_into_the_methods_they_wrap():
     merged = merge_module(UPSTREAM_BOX, OUR_BOX, "pkg.box", carried=[], notes=(notes := []))
     assert "_base_" not in merged and not notes
     assert "import inspect" not in merged and "__signature__" not in merged  # inlined: upstream's signature itself
-    assert "import threading\n" in merged and "if args" not in merged  # the keyword-only signature raises TypeError
+    # our __new__ only refuses positional arguments, which upstream's keyword-only __init__ refuses itself
+    assert "import threading\n" in merged and "if args" not in merged and "__new__" not in merged
     assert 'def __init__(self, *, size: int, name: str = "box"):' in merged
     assert merged.index('raise ValueError("size")') < merged.index("self.size, self.name") < merged.index("self.lock =")
     # grow passes scale=None: our handling replaces upstream's leading `if scale is not None:` block

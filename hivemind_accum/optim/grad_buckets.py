@@ -16,6 +16,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Un
 import torch
 
 from hivemind_accum.optim.torch_internals import (
+    check_fused_ops,
     foreach_add_,
     foreach_copy_,
     foreach_mul_,
@@ -133,6 +134,7 @@ class GradientBuckets:
     :raises ValueError: if ``tensors`` is empty or holds a non-tensor, a sparse or meta tensor, a non-float dtype or
       the same tensor twice (the message names the offending positions as ``parameters[i]``), or if ``device``
       cannot be allocated on.
+    :raises TorchInternalsError: if this torch release lacks or changed a fused op (see ``check_fused_ops``)
     """
 
     def __init__(
@@ -166,6 +168,7 @@ class GradientBuckets:
                 torch.empty(0, device=device)
             except (RuntimeError, AssertionError) as e:
                 raise ValueError(f"accumulate_grads_on: cannot place accumulators on device {device!r} ({e})") from e
+        check_fused_ops()  # before any buffer is built: the ops that will add into them exist and add
         self.buckets: List[GradientBucket] = [
             _make_bucket(
                 [tensors[i] for i in indices],

@@ -20,6 +20,7 @@ from hivemind_accum.optim.round_guard import SkipUnusableSteps, all_finite
 from hivemind_accum.optim.state_averager import TrainingStateAverager
 from hivemind_accum.optim.torch_internals import (
     _optimizer_state,
+    check_hivemind_grad_scaler_internals,
     declare_scaling_aware_step,
     foreach_zero_,
     inv_loss_scale,
@@ -50,9 +51,23 @@ class Optimizer(upstream.Optimizer):
     See :class:`hivemind.Optimizer` for all parameters.
     """
 
+    def __new__(cls, *args, **kwargs):
+        """refuses positional arguments with a message naming the required ones (Python's own error for a
+        keyword-only constructor would say that the required keyword arguments are missing)"""
+        if args:
+            signature = inspect.signature(upstream.Optimizer.__init__)
+            required = [name for name, p in signature.parameters.items() if p.default is p.empty][1:]  # not self
+            raise TypeError(
+                f"{cls.__name__} takes keyword arguments only, as hivemind.Optimizer does (got {len(args)} "
+                f"positional): pass each argument by name; {', '.join(f'{name}=' for name in required)} are "
+                f"required, e.g. {cls.__name__}(dht=dht, run_id=..., target_batch_size=..., batch_size_per_step=..., "
+                f"params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params))"
+            )
+        return super().__new__(cls)
+
     def __init__(
         self,
-        *args,
+        *,
         dht: DHT,
         optimizer,
         params=None,
@@ -70,13 +85,6 @@ class Optimizer(upstream.Optimizer):
           ``auxiliary`` are both true, or if a parameter is listed twice in ``params`` (or, without ``params``, in the
           optimizer's ``param_groups``): the message names both positions
         """
-        if args:
-            raise TypeError(
-                f"{type(self).__name__} takes keyword arguments only, as hivemind.Optimizer does (got {len(args)} "
-                f"positional): e.g. {type(self).__name__}(dht=dht, run_id=..., target_batch_size=..., "
-                f"batch_size_per_step=..., params=model.parameters(), "
-                f"optimizer=lambda params: torch.optim.SGD(params))"
-            )
         if batch_size_per_step is not None and not is_positive_int(batch_size_per_step):
             raise ValueError(
                 f"batch_size_per_step: expected a positive int (samples per micro-step) or None (then pass "
@@ -111,7 +119,8 @@ class Optimizer(upstream.Optimizer):
             # flag on the host before every micro-step in the exact mode as in the in-place one
             declare_scaling_aware_step(self)
 
-    __init__.__signature__ = inspect.signature(upstream.Optimizer.__init__)  # help() lists upstream's arguments
+    # help() and inspect.signature list upstream's arguments (inspect reads a class's own __new__ first)
+    __new__.__signature__ = __init__.__signature__ = inspect.signature(upstream.Optimizer.__init__)
 
     def __del__(self):
         if hasattr(self, "state_averager"):  # a constructor that raised early has nothing to shut down
@@ -156,6 +165,8 @@ class Optimizer(upstream.Optimizer):
           would unscale the accumulated gradients again every micro-step), or one that is no ``torch.amp.GradScaler``;
           and in exact mode if the loop called ``hivemind.GradScaler.unscale_(opt)`` (it leaves the gradients scaled
           between global steps, so whatever read or clipped them saw scaled values)
+        :raises TorchInternalsError: at the first step with a grad scaler, if a private torch interface that loss
+          scaling relies on changed in this torch release (the message names it; docs/compatibility.md)
         """
         if grad_scaler is not None and not grad_scaler.is_enabled():
             grad_scaler = None
@@ -169,6 +180,7 @@ class Optimizer(upstream.Optimizer):
                     f"a plain scaler's unscale_ would unscale the accumulated gradients again on every micro-step; "
                     f"or use reuse_grad_buffers=False, which accepts torch.amp.GradScaler"
                 )
+            check_hivemind_grad_scaler_internals()  # before the scaler unscales or checks anything
             return super().step(closure, batch_size, grad_scaler)
         if not isinstance(grad_scaler, torch.amp.GradScaler):
             raise ValueError(

@@ -160,27 +160,45 @@ accelerator once per micro-batch.
     omit={
         "torch_internals": (
             "import enum",
+            "import inspect",
             "import warnings",
             "from torch.amp import grad_scaler as amp_grad_scaler",
-            "non_finite_check_and_unscale_ = _fused_op('_amp_foreach_non_finite_check_and_unscale_')",
-            "_changed",
+            "_unscales",
+            "_check_unscale_op",
+            "non_finite_check_and_unscale_",
             "declare_scaling_aware_step",
+            "_scaler_changed",
             "_optimizer_state",
             "_opt_state_unscaled",
+            "_loss_scale",
+            "_inv_loss_scale",
+            "_record_found_inf_",
+            "_check_grad_scaler",
             "loss_scale",
             "inv_loss_scale",
             "record_found_inf_",
             "check_grad_scaler_internals",
+            "_run_grad_scaler_contract",
+            "HIVEMIND_GRAD_SCALER_CALLS = {'_unscale_grads_': (('optimizer', 'inv_scale', 'found_inf'), "
+            "('allow_fp16',)), '_check_inf_per_device': (('optimizer',), ()), "
+            "'_found_inf_per_device': (('optimizer',), ())}",
+            "_check_hivemind_grad_scaler",
+            "check_hivemind_grad_scaler_internals",
+            Edit(
+                "    check_fused_ops()\n    _check_unscale_op()\n    _check_grad_scaler()\n"
+                "    check_hivemind_grad_scaler_internals()\n",
+                "    check_fused_ops()\n",
+            ),
             Edit("from typing import Callable, Dict, Optional, Sequence, Set",
                  "from typing import Callable, Sequence, Set"),
             Edit(
                 "\n\nLoss scaling without a host read per micro-step needs ``torch.amp.GradScaler``'s per-optimizer "
                 "state (the overflow\nrecord its ``update()`` reads, the stage that says whether the loop already "
-                "unscaled), its loss scale tensor and the\nunscale kernel ``GradScaler.unscale_`` uses. None of these "
-                "is public API, so a torch release may change them: a state\nwhose shape changed raises "
-                ":class:`TorchInternalsError` naming the torch version and what changed, instead of a\n``KeyError`` in "
-                "the middle of a step, and :func:`check_grad_scaler_internals` exercises the whole contract on a "
-                "real\nscaler."
+                "unscaled), its loss scale tensor, the\n``_step_supports_amp_scaling`` hand-over and the unscale "
+                "kernel ``GradScaler.unscale_`` uses; ``hivemind.GradScaler``\ncalls private methods of "
+                "``torch.amp.GradScaler``. None of these is public API: :func:`check_grad_scaler_internals`\nruns the "
+                "whole contract on a scaler of its own at the first loss-scaled step, and each accessor checks the "
+                "shape of\nwhat it reads."
             ),
         ),
         "grad_buckets": (
@@ -280,6 +298,7 @@ accelerator once per micro-batch.
             Edit(
                 "from hivemind_accum.optim.torch_internals import (\n"
                 "    _optimizer_state,\n"
+                "    check_hivemind_grad_scaler_internals,\n"
                 "    declare_scaling_aware_step,\n"
                 "    foreach_zero_,\n"
                 "    inv_loss_scale,\n"

@@ -10,6 +10,8 @@ name (``class GradientAverager(upstream.GradientAverager)``):
   (``_base_step``) next to ours, and the call becomes ``self._base_step(...)``; a method of ours whose signature is
   ``(self, *args, **kwargs)`` and that only adds statements around ``super().name(*args, **kwargs)`` is inlined
   instead: upstream's method (signature, docstring, body) with our statements before and after its body;
+- a ``__new__`` of ours that only refuses positional arguments (``if args: raise ...``) is left out where upstream's
+  ``__init__`` is keyword-only: Python refuses them there;
 - class attributes are added or replaced; ``upstream.Class.method`` in the class body becomes the method's merged
   name (``_base_method`` where ours wraps it); the class keeps upstream's docstring, in which each ``:param``
   (``:raises``...) entry our docstring documents replaces upstream's or is added after its predecessor;
@@ -472,7 +474,7 @@ class _Inline:
     """how one of our methods goes into upstream's method ``target`` instead of wrapping it"""
 
     target: str  # upstream's method whose body receives our statements
-    before: List[ast.stmt]  # our statements before the call (the ``*args`` guard left out)
+    before: List[ast.stmt]  # our statements before the call
     after: List[ast.stmt]  # our statements after it (a final ``return`` of the call's result left out)
     wrapper: Optional[ast.With] = None  # ``with ...:`` of ours around the call: upstream's body goes inside it
     replaced: Sequence[ast.stmt] = ()  # upstream's leading ``if p is not None:`` blocks, for a p ours passes as None
@@ -489,6 +491,20 @@ def _signature_params(function: ast.FunctionDef):
     return (
         named[1:], [a.arg for a in args.kwonlyargs], defaults,
         args.vararg.arg if args.vararg else None, args.kwarg.arg if args.kwarg else None,
+    )
+
+
+def _refuses_positional_arguments(method: ast.FunctionDef) -> bool:
+    """``def __new__(cls, *args, **kwargs)`` whose body (after a docstring) is ``if args: ... raise ...`` and
+    ``return super().__new__(cls)``"""
+    args, body = method.args, method.body[1:] if _docstring_node(method) else list(method.body)
+    if method.name != "__new__" or args.posonlyargs or len(args.args) != 1 or args.vararg is None or len(body) != 2:
+        return False
+    guard, new = body
+    return (
+        isinstance(guard, ast.If) and isinstance(guard.test, ast.Name) and guard.test.id == args.vararg.arg
+        and not guard.orelse and isinstance(guard.body[-1], ast.Raise)
+        and isinstance(new, ast.Return) and _super_call_name(new.value) == "__new__"
     )
 
 
@@ -582,12 +598,6 @@ def _plan_inline(ours: ast.FunctionDef, upstream: ast.FunctionDef, target: str):
     missing = (set(up_pos) | set(up_kw) | {up_star, up_double}) - {None} - passed
     if missing or set(our_pos + our_kw) - passed:
         return None, "it does not pass every argument through"
-    if (
-        before and up_star is None and our_star is not None and isinstance(before[0], ast.If)
-        and isinstance(before[0].test, ast.Name) and before[0].test.id == our_star and not before[0].orelse
-        and len(before[0].body) == 1 and isinstance(before[0].body[0], ast.Raise)
-    ):
-        before = before[1:]  # `if args: raise TypeError(...)`: the base's keyword-only signature raises it itself
     used = {n.id for stmt in before + after for n in ast.walk(stmt) if isinstance(n, ast.Name)}
     if {our_star, our_double} & used - {None}:
         return None, "its statements read *args or **kwargs"
@@ -670,6 +680,15 @@ class _ClassMerger:
                     f"{name} calls: {why}"
                 )
         self.inlined = {plan.target for plan in self.plans.values()}
+        self.dropped = set()  # our methods left out: upstream's code does what they do
+        if "__new__" in self.our_methods and _refuses_positional_arguments(self.our_methods["__new__"]):
+            init = self.up_methods.get("__init__")
+            if init is None or init.args.posonlyargs or len(init.args.args) != 1 or init.args.vararg is not None:
+                raise MergeError(
+                    f"class {up_class.name}: our __new__ refuses positional arguments, but upstream's __init__ is not "
+                    f"keyword-only"
+                )
+            self.dropped.add("__new__")  # Python itself refuses them for upstream's keyword-only __init__
         for name, private in self.renamed.items():
             if name in self.reasons and (private in self.up_methods or private in self.our_methods):
                 raise MergeError(f"class {up_class.name}: {private} (upstream's implementation) is already a method")
@@ -688,6 +707,8 @@ class _ClassMerger:
         for node in self.our_class.body:
             if node is _docstring_node(self.our_class):
                 self._merge_docstring(up_docstring, node)
+            elif isinstance(node, _FUNCTIONS) and node.name in self.dropped:
+                continue
             elif isinstance(node, _FUNCTIONS):
                 anchor = self._merge_method(node, anchor)
                 previous_was_attribute = False
@@ -696,17 +717,18 @@ class _ClassMerger:
                 previous_was_attribute = True
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):  # e.g. __init__.__signature__ = ...
                 if self._signature_of_inlined(node):
-                    continue  # the inlined method has upstream's signature itself
+                    continue  # the inlined method has upstream's signature itself; a dropped one is gone
                 self.m.add(anchor, anchor, self.m.code(node, self._class_references(node, in_body=True)))
                 previous_was_attribute = True
             elif not isinstance(node, ast.Pass):
                 raise MergeError(f"{self.m.ours.name}:{node.lineno}: a {type(node).__name__} in class {self.our_class.name}")
 
     def _signature_of_inlined(self, node: ast.stmt) -> bool:
-        """``method.__signature__ = ...`` for a method of ours that went into upstream's method of the same name"""
-        return any(
+        """``method.__signature__ = ...`` for methods of ours that went into upstream's method of the same name or
+        were left out"""
+        return all(
             isinstance(t, ast.Attribute) and t.attr == "__signature__" and isinstance(t.value, ast.Name)
-            and t.value.id in self.plans and self.plans[t.value.id].target == t.value.id
+            and (t.value.id in self.dropped or t.value.id in self.plans and self.plans[t.value.id].target == t.value.id)
             for t in _targets(node)
         )
 
