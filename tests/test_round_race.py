@@ -59,6 +59,11 @@ def _make_optimizer(dht, probe, reuse_grad_buffers: bool):
     )
 
 
+def _begin_round(opt):
+    """begin a round as hivemind_accum.Optimizer does (``_begin_averaging_gradients``): with a control scheduled first"""
+    return opt.grad_averager.step(control=opt.grad_averager.schedule_step(), reset_accumulators=True, wait=False)
+
+
 def _fallback_and_step(opt, control) -> None:
     """what the state averager's thread runs for a delayed round: the round's trigger, then the optimizer step"""
     opt._average_gradients_and_load_into_optimizer(control)
@@ -66,7 +71,6 @@ def _fallback_and_step(opt, control) -> None:
 
 
 @pytest.mark.forked
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 28: a late fallback loads the next round's window")
 @pytest.mark.parametrize("reuse_grad_buffers", [False, True])
 @pytest.mark.parametrize("order", ["next_round_loads_first", "fallback_loads_first"])
 def test_late_fallback_uses_its_own_round(dht, reuse_grad_buffers, order):
@@ -84,7 +88,7 @@ def test_late_fallback_uses_its_own_round(dht, reuse_grad_buffers, order):
     try:
         for j in range(WINDOW):  # window E
             _micro_step(opt, probe, j)
-        round_e = opt.grad_averager.step(wait=False, reset_accumulators=True)
+        round_e = _begin_round(opt)
         round_e.cancel()  # E fails (alone in the swarm anyway): its trigger finds the result not done
         for j in range(WINDOW, 2 * WINDOW):  # window E + 1 accumulates while E's fallback is pending
             _micro_step(opt, probe, j)
@@ -96,14 +100,14 @@ def test_late_fallback_uses_its_own_round(dht, reuse_grad_buffers, order):
         if order == "next_round_loads_first":
             fallback.start()
             assert fallback_arrived.wait(timeout=60)  # E's fallback waits for the lock
-            round_next = opt.grad_averager.step(wait=False, reset_accumulators=True)  # E + 1 begins, loads, hands off
+            round_next = _begin_round(opt)  # E + 1 begins, loads, hands off
             fallback_go.set()  # the lock frees: E's fallback loads now
             fallback.join(timeout=60)
         else:
             next_arrived = threading.Event()
             began = []
             beginner = threading.Thread(
-                target=lambda: began.append(opt.grad_averager.step(wait=False, reset_accumulators=True))
+                target=lambda: began.append(_begin_round(opt))
             )
             gates.register(beginner, next_arrived, fallback_done)
             gates.register(fallback, fallback_arrived, next_arrived)
@@ -126,5 +130,40 @@ def test_late_fallback_uses_its_own_round(dht, reuse_grad_buffers, order):
         steps = f"micro-steps used by E's step {used[0].tolist()}, by E + 1's step {used[1].tolist()}"
         torch.testing.assert_close(used[0], window_e, msg=steps)  # E's step: micro-steps 0, 1, 2 once each
         torch.testing.assert_close(used[1], window_next, msg=steps)  # E + 1's step: micro-steps 3, 4, 5 once each
+    finally:
+        opt.shutdown()
+
+
+@pytest.mark.forked
+def test_fallback_after_two_later_rounds_skips_its_step(dht):
+    """rounds E, E + 1 and E + 2 begin before E's fallback: E's gradients are dropped when E + 2 begins (two rounds
+    are kept), so E's step is skipped rather than run with a later window; E + 1 and E + 2 still use their own"""
+    probe = torch.nn.Parameter(torch.zeros(3 * WINDOW))
+    opt = _make_optimizer(dht, probe, reuse_grad_buffers=False)
+    used = []
+    opt.state_averager.optimizer.register_step_pre_hook(
+        lambda optimizer, args, kwargs: used.append(
+            None if optimizer.param_groups[0]["params"][0].grad is None
+            else optimizer.param_groups[0]["params"][0].grad * WINDOW
+        )
+    )
+    try:
+        rounds = []
+        for window in range(3):
+            for j in range(window * WINDOW, (window + 1) * WINDOW):
+                _micro_step(opt, probe, j)
+            rounds.append(_begin_round(opt))
+            rounds[-1].cancel()
+        assert opt.grad_averager.local_fallback.kept_rounds == 2
+        for control in rounds:
+            _fallback_and_step(opt, control)
+        assert opt.grad_averager.local_fallback.kept_rounds == 0
+        assert used[0] is None, f"E's step must be skipped, it used {used[0]}"
+        for window, grad in enumerate(used[1:], start=1):
+            expected = torch.zeros(3 * WINDOW)
+            expected[window * WINDOW:(window + 1) * WINDOW] = 1.0
+            torch.testing.assert_close(grad, expected)
+        # two host copies at most: E + 1 was copied out when E + 2's micro-steps came, E's copy freed for reuse
+        assert opt.grad_averager.local_fallback.host_bytes == 2 * 3 * WINDOW * 4
     finally:
         opt.shutdown()

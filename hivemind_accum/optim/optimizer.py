@@ -2,10 +2,13 @@
 :class:`hivemind.Optimizer` that builds this package's gradient averager by default and handles loss scaling without
 a host-device synchronization per micro-step.
 """
+import contextlib
 import inspect
-from typing import Callable, List, Optional, Tuple
+import threading
+from typing import Callable, ContextManager, List, Optional, Tuple
 
 import torch
+from hivemind.averaging.control import StepControl
 from hivemind.dht import DHT
 from hivemind.optim import optimizer as upstream
 from hivemind.optim.grad_averager import GradientAveragerFactory
@@ -98,13 +101,13 @@ class Optimizer(upstream.Optimizer):
             client_mode=client_mode, auxiliary=auxiliary, **kwargs,
         )
         self._micro_step_scaler = None
+        self._lost_round = threading.local()  # see _round_usable
         self._own_found_inf_record = []  # the overflow tensors step() last recorded in the grad scaler
         if self.use_gradient_averaging and self._guards_gradients():
             # a round whose gradients are not usable (inf/NaN, see _load_averaged_gradients_into_optimizer_) makes the
             # optimizer step, run by the state averager (maybe in its thread), a no-op
             self._skip_unusable_steps = SkipUnusableSteps(
-                self.state_averager.optimizer, usable=lambda: self.grad_averager.round_guard.round_usable,
-                on_skip=self._on_skipped_step,
+                self.state_averager.optimizer, usable=self._round_usable, on_skip=self._on_skipped_step,
             )
         if self.use_gradient_averaging and not self.auxiliary:
             # torch.amp.GradScaler.step then hands itself to step() instead of unscaling and reading the overflow
@@ -239,6 +242,8 @@ class Optimizer(upstream.Optimizer):
                     "averages with weight 0 and skips the optimizer step; the loss scale will back off"
                 )
                 self.grad_averager.reset_accumulated_grads_()
+        if self.scheduled_grads is None and self.tracker.global_progress.num_peers > 1:
+            self.scheduled_grads = self._schedule_round()  # the round's local gradients are kept under its control
         return super()._begin_averaging_gradients(None)
 
     def _load_averaged_gradients_into_optimizer_(self):
@@ -274,14 +279,38 @@ class Optimizer(upstream.Optimizer):
             return self.grad_averager.notify_used_averaged_gradients()  # the optimizer step will be skipped
         self._load_gradients_into_optimizer_()
 
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Optional[StepControl]):
+        """Run gradient averaging; on success, feed averaged gradients into optimizer; else, use local gradients of
+        the round ``maybe_step_control`` began, even after later rounds began"""
+        with self._bound_to_round(maybe_step_control):
+            super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+
+    def _schedule_round(self) -> Optional[StepControl]:
+        """a gradient averaging round's control, scheduled as ``GradientAverager.step`` would schedule it; None (and
+        an error logged) if it cannot be"""
+        try:
+            return self.grad_averager.schedule_step()
+        except Exception as e:
+            logger.exception(e)
+            return None
+
+    def _bound_to_round(self, control: Optional[StepControl]) -> ContextManager:
+        """a context within which this thread's fallback and settling concern the round ``control`` began"""
+        if control is None or not getattr(self.grad_averager, "keep_local_fallback", False):
+            return contextlib.nullcontext()
+        return self.grad_averager.local_fallback.for_round(control)
+
     def _load_local_gradients_into_optimizer(self):
         """Fall back to this peer's own gradients of the round: load them into the averager's buffers (averaged over
         micro-steps, and on the host where the optimizer is offloaded), then into the optimizer. A
-        :class:`GradientAverager` checked them as it loaded them: if they held inf or NaN, the optimizer step is
-        skipped (see :class:`~hivemind_accum.optim.round_guard.SkipUnusableSteps`)"""
+        :class:`GradientAverager` checked them as it loaded them: if they held inf or NaN, or if they are kept no
+        longer (two later rounds began), the optimizer step is skipped (see
+        :class:`~hivemind_accum.optim.round_guard.SkipUnusableSteps`)"""
         logger.log(self.status_loglevel, "Proceeding with local gradients")
-        self.grad_averager.load_accumulators_into_averager_()
-        if self._guards_gradients() and not self.grad_averager.round_guard.round_usable:
+        if self.grad_averager.load_accumulators_into_averager_() is False:
+            self._lost_round.skip = True  # a delayed round: its step runs next, in this thread
+            self.grad_averager.notify_used_averaged_gradients()
+        elif self._guards_gradients() and not self.grad_averager.round_guard.round_usable:
             self.grad_averager.notify_used_averaged_gradients()  # the optimizer step will be skipped
         else:
             self._load_gradients_into_optimizer_()  # checked already
@@ -297,6 +326,14 @@ class Optimizer(upstream.Optimizer):
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
         super()._load_averaged_gradients_into_optimizer_()
+
+    def _round_usable(self) -> bool:
+        """whether the optimizer step about to run may use its round's gradients: not if this thread's fallback found
+        them kept no longer, nor if the round's gradients held inf or NaN (``round_guard.round_usable``)"""
+        if getattr(self._lost_round, "skip", False):
+            self._lost_round.skip = False
+            return False
+        return self.grad_averager.round_guard.round_usable
 
     def _on_skipped_step(self) -> None:
         """the optimizer step of an unusable round is about to be skipped: the next state averaging round (which the
