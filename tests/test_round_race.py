@@ -2,10 +2,10 @@
 A round's fallback that runs late, after the next round began, must use that round's own micro-steps (issue 28).
 
 With ``delay_grad_averaging=True``, round E's fallback (``Optimizer._average_gradients_and_load_into_optimizer`` in
-the state averager's thread) can block on the averager's tensor lock while E's all-reduce holds it; hivemind's main
-thread waits for it only ``allreduce_timeout`` and begins round E + 1. The race is built here by construction: the
-averager's ``get_tensors`` is gated per thread on events (standing for the lock E's all-reduce holds), so each order
-in which E's fallback and E + 1's ``step`` reach the lock happens in every run. The probe's gradient at micro-step
+the state averager's thread) can wait for E's all-reduce, which holds the averager's tensor lock; hivemind's main
+thread waits for it only ``allreduce_timeout`` and begins round E + 1. The race is built here by construction: E's
+fallback (``_load_local_gradients_into_optimizer``) and E + 1's load (``get_tensors``) are gated per thread on events,
+so each order in which they run happens in every run. The probe's gradient at micro-step
 ``j`` is the one-hot ``e_j``, so each optimizer step's gradient names the micro-steps it used.
 """
 import contextlib
@@ -21,25 +21,27 @@ WINDOW = 3  # micro-steps per epoch
 
 
 class Gates:
-    """``get_tensors`` of an averager, made to wait in the threads registered here: a registered thread sets its
-    ``arrived`` event when it reaches the lock, then waits for its ``go`` event"""
+    """methods of objects, made to wait in the threads registered here: a registered thread sets its ``arrived``
+    event when it calls the method, then waits for its ``go`` event"""
 
-    def __init__(self, averager):
-        self._original, self._gates = averager.get_tensors, {}
-        averager.get_tensors = self.get_tensors
+    def __init__(self):
+        self._gates = {}
 
-    def register(self, thread: threading.Thread, arrived: threading.Event, go: threading.Event) -> None:
-        self._gates[thread] = arrived, go
+    def install(self, obj, name: str) -> None:
+        original = getattr(obj, name)
 
-    @contextlib.contextmanager
-    def get_tensors(self):
-        gate = self._gates.get(threading.current_thread())
-        if gate is not None:
-            arrived, go = gate
-            arrived.set()
-            assert go.wait(timeout=60), "the test's gate was never opened"
-        with self._original() as tensors:
-            yield tensors
+        def gated(*args, **kwargs):
+            gate = self._gates.get((threading.current_thread(), name))
+            if gate is not None:
+                arrived, go = gate
+                arrived.set()
+                assert go.wait(timeout=60), "the test's gate was never opened"
+            return original(*args, **kwargs)
+
+        setattr(obj, name, gated)
+
+    def register(self, thread: threading.Thread, name: str, arrived: threading.Event, go: threading.Event) -> None:
+        self._gates[thread, name] = arrived, go
 
 
 def _micro_step(opt, probe, j: int) -> None:
@@ -93,10 +95,12 @@ def test_late_fallback_uses_its_own_round(dht, reuse_grad_buffers, order):
         for j in range(WINDOW, 2 * WINDOW):  # window E + 1 accumulates while E's fallback is pending
             _micro_step(opt, probe, j)
 
-        gates = Gates(opt.grad_averager)
+        gates = Gates()
+        gates.install(opt, "_load_local_gradients_into_optimizer")  # E's fallback, waiting for E's all-reduce
+        gates.install(opt.grad_averager, "get_tensors")  # E + 1's load, waiting for the lock
         fallback_arrived, fallback_go, fallback_done = threading.Event(), threading.Event(), threading.Event()
         fallback = threading.Thread(target=_fallback_and_step, args=(opt, round_e))
-        gates.register(fallback, fallback_arrived, fallback_go)
+        gates.register(fallback, "_load_local_gradients_into_optimizer", fallback_arrived, fallback_go)
         if order == "next_round_loads_first":
             fallback.start()
             assert fallback_arrived.wait(timeout=60)  # E's fallback waits for the lock
@@ -109,8 +113,8 @@ def test_late_fallback_uses_its_own_round(dht, reuse_grad_buffers, order):
             beginner = threading.Thread(
                 target=lambda: began.append(_begin_round(opt))
             )
-            gates.register(beginner, next_arrived, fallback_done)
-            gates.register(fallback, fallback_arrived, next_arrived)
+            gates.register(beginner, "get_tensors", next_arrived, fallback_done)
+            gates.register(fallback, "_load_local_gradients_into_optimizer", fallback_arrived, next_arrived)
             fallback.start()
             assert fallback_arrived.wait(timeout=60)
             beginner.start()  # E + 1 begins and waits for the lock; E's fallback takes it first
@@ -119,6 +123,8 @@ def test_late_fallback_uses_its_own_round(dht, reuse_grad_buffers, order):
             beginner.join(timeout=60)
             (round_next,) = began
         assert not fallback.is_alive()
+        with opt.grad_averager.get_tensors() as (part,):  # what E + 1's all-reduce sends: E + 1's own part, untouched
+            torch.testing.assert_close(part * WINDOW, torch.tensor([0.0] * WINDOW + [1.0] * WINDOW))
 
         round_next.cancel()  # E + 1 fails too and falls back, in order
         _fallback_and_step(opt, round_next)

@@ -49,6 +49,7 @@ class LocalFallback:
         self._kept: Dict[Hashable, List] = {}
         self._latest: Optional[Hashable] = None
         self._hosts: List[GradientBuckets] = []  # allocated at the first round released unsettled, reused
+        self._lent: List[GradientBuckets] = []  # host copies taken by take_host_copy_, not reused until given back
         self._hooks: List[torch.utils.hooks.RemovableHandle] = []
         self._lock = threading.RLock()
         self._thread = threading.local()
@@ -131,6 +132,27 @@ class LocalFallback:
             self.settle_()
             return True
 
+    def take_host_copy_(self) -> Optional[GradientBuckets]:
+        """
+        The round's local gradients, as they were loaded for the round, if they were copied to host memory (a later
+        micro-step needed the accumulators); the round is settled then.
+
+        :returns: the host copy, not reused until :meth:`give_back_`; None (taking nothing) if there is none
+        """
+        with self._lock:
+            key = self._round()
+            kept = self._kept.get(key)
+            if kept is None or kept[0] is None:
+                return None
+            del self._kept[key]
+            self._lent.append(kept[0])
+            return kept[0]
+
+    def give_back_(self, host: GradientBuckets) -> None:
+        """a host copy from :meth:`take_host_copy_` is no longer read"""
+        with self._lock:
+            self._lent = [lent for lent in self._lent if lent is not host]
+
     def release_(self) -> None:
         """zero the accumulators for the next micro-steps (one ``zero_`` per bucket), first copying an unsettled
         round's local gradients to host memory (one scaled copy per bucket)"""
@@ -147,7 +169,7 @@ class LocalFallback:
 
     def _free_host(self) -> GradientBuckets:
         """a host buffer that holds no kept round, allocated if there is none"""
-        used = [kept[0] for kept in self._kept.values()]
+        used = [kept[0] for kept in self._kept.values()] + self._lent
         for host in self._hosts:
             if all(host is not other for other in used):
                 return host

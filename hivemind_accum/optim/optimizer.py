@@ -17,7 +17,7 @@ from hivemind.optim.state_averager import ZERO_GRAD_SET_TO_NONE_DEFAULT
 from hivemind.utils import get_logger
 
 from hivemind_accum.optim.grad_averager import GradientAverager, is_positive_int
-from hivemind_accum.optim.grad_buckets import check_distinct
+from hivemind_accum.optim.grad_buckets import LOW_PRECISION, check_distinct
 from hivemind_accum.optim.progress_tracker import ProgressTracker
 from hivemind_accum.optim.round_guard import SkipUnusableSteps, all_finite
 from hivemind_accum.optim.state_averager import TrainingStateAverager
@@ -102,6 +102,7 @@ class Optimizer(upstream.Optimizer):
         )
         self._micro_step_scaler = None
         self._lost_round = threading.local()  # see _round_usable
+        self._host_copy_step = threading.local()  # see _step_with_host_copy
         self._own_found_inf_record = []  # the overflow tensors step() last recorded in the grad scaler
         if self.use_gradient_averaging and self._guards_gradients():
             # a round whose gradients are not usable (inf/NaN, see _load_averaged_gradients_into_optimizer_) makes the
@@ -109,6 +110,8 @@ class Optimizer(upstream.Optimizer):
             self._skip_unusable_steps = SkipUnusableSteps(
                 self.state_averager.optimizer, usable=self._round_usable, on_skip=self._on_skipped_step,
             )
+            self.state_averager.optimizer.register_step_pre_hook(self._swap_in_host_copy)  # after the skip's hooks
+            self.state_averager.optimizer.register_step_post_hook(self._swap_out_host_copy)
         if self.use_gradient_averaging and not self.auxiliary:
             # torch.amp.GradScaler.step then hands itself to step() instead of unscaling and reading the overflow
             # flag on the host before every micro-step in the exact mode as in the in-place one
@@ -307,7 +310,9 @@ class Optimizer(upstream.Optimizer):
         longer (two later rounds began), the optimizer step is skipped (see
         :class:`~hivemind_accum.optim.round_guard.SkipUnusableSteps`)"""
         logger.log(self.status_loglevel, "Proceeding with local gradients")
-        if self.grad_averager.load_accumulators_into_averager_() is False:
+        if self._step_with_host_copy():
+            self.grad_averager.notify_used_averaged_gradients()
+        elif self.grad_averager.load_accumulators_into_averager_() is False:
             self._lost_round.skip = True  # a delayed round: its step runs next, in this thread
             self.grad_averager.notify_used_averaged_gradients()
         elif self._guards_gradients() and not self.grad_averager.round_guard.round_usable:
@@ -326,6 +331,46 @@ class Optimizer(upstream.Optimizer):
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
         super()._load_averaged_gradients_into_optimizer_()
+
+    def _step_with_host_copy(self) -> bool:
+        """offloaded: if the round's local gradients were copied to host memory (the next epoch accumulated during the
+        round), the optimizer step (next, in this thread) uses that copy as ``.grad``, and the averager's buffers,
+        which may hold a later round's part by now, are left alone; returns whether it will"""
+        fallback = getattr(self.grad_averager, "local_fallback", None)
+        if not self.offload_optimizer or fallback is None or not self.grad_averager.keep_local_fallback:
+            return False
+        params = [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]
+        host_layout = [(param.shape, torch.float32 if param.dtype in LOW_PRECISION else param.dtype, "cpu")
+                       for param in fallback.parameters]  # GradientBuckets(device="cpu", upcast=True)
+        if host_layout != [(param.shape, param.dtype, param.device.type) for param in params]:
+            return False
+        host = fallback.take_host_copy_()
+        if host is None:
+            return False
+        self._host_copy_step.host = host
+        return True
+
+    def _swap_in_host_copy(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        """step pre-hook: a step of :meth:`_step_with_host_copy` runs with the host copy as ``.grad`` (a skipped step,
+        whose ``.grad`` are None, is left as it is)"""
+        host = getattr(self._host_copy_step, "host", None)
+        if host is None:
+            return
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        self._host_copy_step.swapped = [(param, param.grad) for param in params if param.grad is not None]
+        for param, grad in zip(params, host.views):
+            if param.grad is not None:
+                param.grad = grad
+
+    def _swap_out_host_copy(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        """step post-hook: the ``.grad`` tensors are put back and the host copy given back"""
+        host = getattr(self._host_copy_step, "host", None)
+        if host is None:
+            return
+        for param, grad in getattr(self._host_copy_step, "swapped", ()):
+            param.grad = grad
+        self._host_copy_step.host, self._host_copy_step.swapped = None, ()
+        self.grad_averager.local_fallback.give_back_(host)
 
     def _round_usable(self) -> bool:
         """whether the optimizer step about to run may use its round's gradients: not if this thread's fallback found

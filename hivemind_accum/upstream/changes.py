@@ -392,7 +392,9 @@ all-reduce, and a peer downloading the state copied whatever it received.
   non-finite result. It does not share a non-finite state, and load_state_from_peers (with wait=True, as Optimizer
   calls it) discards a downloaded state that is not finite.
 - PowerSGDGradientAverager resets error feedback and Q left non-finite by a round before the next one.
-- A round's fallback that finds its local gradients kept no longer (two later rounds began) skips its step.
+- A round's fallback that finds its local gradients kept no longer (two later rounds began) skips its step; one
+  whose local gradients were copied to host memory (offloaded, the next epoch accumulated during the round) steps
+  with that copy as .grad and leaves the averager's buffers, which may hold the next round's part by then, alone.
 """,
     enters=("round_guard", "state_averager"),
     omit={
@@ -445,7 +447,11 @@ all-reduce, and a peer downloading the state copied whatever it received.
         "optimizer": (
             "import threading",
             "self._lost_round = threading.local()  # see _round_usable",
+            "self._host_copy_step = threading.local()  # see _step_with_host_copy",
             "Optimizer._round_usable",
+            "Optimizer._step_with_host_copy",
+            "Optimizer._swap_in_host_copy",
+            "Optimizer._swap_out_host_copy",
             "from hivemind_accum.optim.round_guard import SkipUnusableSteps, all_finite",
             "from hivemind_accum.optim.state_averager import TrainingStateAverager",
             "if self.use_gradient_averaging and self._guards_gradients():",
