@@ -333,11 +333,11 @@ class Optimizer(upstream.Optimizer):
         super()._load_averaged_gradients_into_optimizer_()
 
     def _step_with_host_copy(self) -> bool:
-        """offloaded: if the round's local gradients were copied to host memory (the next epoch accumulated during the
-        round), the optimizer step (next, in this thread) uses that copy as ``.grad``, and the averager's buffers,
-        which may hold a later round's part by now, are left alone; returns whether it will"""
+        """delayed averaging (offloaded): if the round's local gradients were copied to host memory (the next epoch
+        accumulated during the round), the optimizer step, next in this thread, uses that copy as ``.grad``, and the
+        averager's buffers, which may hold a later round's part by now, are left alone; returns whether it will"""
         fallback = getattr(self.grad_averager, "local_fallback", None)
-        if not self.offload_optimizer or fallback is None or not self.grad_averager.keep_local_fallback:
+        if not self.delay_grad_averaging or fallback is None or not self.grad_averager.keep_local_fallback:
             return False
         params = [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]
         host_layout = [(param.shape, torch.float32 if param.dtype in LOW_PRECISION else param.dtype, "cpu")
@@ -353,23 +353,23 @@ class Optimizer(upstream.Optimizer):
     def _swap_in_host_copy(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         """step pre-hook: a step of :meth:`_step_with_host_copy` runs with the host copy as ``.grad`` (a skipped step,
         whose ``.grad`` are None, is left as it is)"""
-        host = getattr(self._host_copy_step, "host", None)
+        host, self._host_copy_step.host = getattr(self._host_copy_step, "host", None), None
         if host is None:
             return
         params = [param for group in optimizer.param_groups for param in group["params"]]
-        self._host_copy_step.swapped = [(param, param.grad) for param in params if param.grad is not None]
+        self._host_copy_step.swapped = host, [(param, param.grad) for param in params if param.grad is not None]
         for param, grad in zip(params, host.views):
             if param.grad is not None:
                 param.grad = grad
 
     def _swap_out_host_copy(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         """step post-hook: the ``.grad`` tensors are put back and the host copy given back"""
-        host = getattr(self._host_copy_step, "host", None)
-        if host is None:
+        swapped, self._host_copy_step.swapped = getattr(self._host_copy_step, "swapped", None), None
+        if swapped is None:
             return
-        for param, grad in getattr(self._host_copy_step, "swapped", ()):
+        host, grads = swapped
+        for param, grad in grads:
             param.grad = grad
-        self._host_copy_step.host, self._host_copy_step.swapped = None, ()
         self.grad_averager.local_fallback.give_back_(host)
 
     def _round_usable(self) -> bool:
