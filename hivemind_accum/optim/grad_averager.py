@@ -14,7 +14,7 @@ How a gradient travels, in three files:
 """
 import numbers
 import warnings
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import ContextManager, Iterable, Iterator, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -247,17 +247,25 @@ class GradientAverager(upstream.GradientAverager):
         all-reduce raises or times out), the next ``load_accumulators_into_averager_`` (which ``hivemind.Optimizer``
         calls to "proceed with local gradients") loads them again, so the epoch's local work is not lost. They stay in
         the accumulators (in place: in ``.grad``) until the round is settled (its result used or the fallback loaded);
-        a micro-step or ``reset_accumulated_grads_`` that comes earlier copies them to host memory first.
+        a micro-step or ``reset_accumulated_grads_`` that comes earlier copies them to host memory first. Given a
+        ``control``, they are kept under it (``local_fallback.for_round(control)`` names the round), also while later
+        rounds begin: at most two rounds are kept, a third drops the oldest.
 
         If this peer's gradients hold inf or NaN, they are replaced by zeros and, with ``weight=None`` (the default, as
         ``hivemind.Optimizer`` calls it), the round's weight is 0: see ``load_accumulators_into_averager_``. An
         explicit ``weight`` is used as given.
         """
+        with self._beginning_round(control):
+            return super().step(
+                weight=weight, reset_accumulators=reset_accumulators, control=control, timeout=timeout, wait=wait,
+                **kwargs,
+            )
+
+    def _beginning_round(self, control: Optional[StepControl]) -> ContextManager:
+        """a context in which the round ``control`` begins: its local gradients are kept under ``control``; raises a
+        clear ``RuntimeError`` if the averager is not running"""
         self._check_running("step")
-        self.local_fallback.settle_()  # a new round: the previous one's local gradients are no longer a fallback
-        return super().step(
-            weight=weight, reset_accumulators=reset_accumulators, control=control, timeout=timeout, wait=wait, **kwargs
-        )
+        return self.local_fallback.for_round(control, beginning=True)
 
     def schedule_step(self, scheduled_time: Optional[float] = None, **kwargs) -> StepControl:
         """as upstream's ``schedule_step``; raises a clear ``RuntimeError`` if the averager is not running"""
@@ -303,11 +311,17 @@ class GradientAverager(upstream.GradientAverager):
         writes it (with ``averaged_grads`` given at construction: one read-only reduction per tensor). If any is inf
         or NaN, the buffers are set to zeros and ``local_samples_accumulated`` to 0, so ``step`` joins the round with
         weight 0; ``round_guard.own_finite`` becomes False, and the optimizer skips this epoch's step.
+
+        :returns: False (loading nothing) where ``local_fallback.for_round(control)`` names a round that keeps its
+          local gradients no longer: a fallback loads only its own round's; else None
         """
         with self.get_tensors() as averaged_grads:
             if self.local_fallback.load_into_(self._averaged_target(averaged_grads)):
                 logger.info("Averaging round was not used: loaded this round's local gradients again")
                 return
+        if self.local_fallback.lost:  # never another round's gradients instead
+            logger.warning("Averaging round was not used and its local gradients are no longer kept: nothing loaded")
+            return False
         if self.local_fallback.holding:  # a round began since the last micro-step: there is nothing new to load
             self.local_fallback.release_()
         if self.reuse_grad_buffers:

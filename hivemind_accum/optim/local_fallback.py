@@ -7,9 +7,13 @@ local gradients are still in the accumulators: :class:`LocalFallback` leaves the
 (its result used, or the fallback loaded), and zeroes them before the next micro-step adds into them. Only if the accumulators are needed for the next
 micro-step while the round is still unsettled (as with ``delay_grad_averaging=True``, where the next epoch
 accumulates during the round) are the local gradients first copied to host memory, once per such round.
+
+Each round is kept under its own key, so a round's fallback that comes after the next round began (it waited for the
+averager's lock) loads that round's gradients, not the next one's; at most two rounds are kept (docs/failed-rounds.md).
 """
+import contextlib
 import threading
-from typing import List, Optional, Sequence, Union
+from typing import Dict, Hashable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
@@ -20,12 +24,12 @@ Destination = Union[GradientBuckets, Sequence[torch.Tensor]]
 
 class LocalFallback:
     """
-    One averager's local gradients of its latest round, kept for a fallback.
+    One averager's local gradients of its latest rounds, each kept for that round's fallback.
 
-    States: ``holding`` (the accumulators still hold a round's local gradients, so they must be released before the
-    next accumulation) and ``where`` (where an unsettled round's local gradients are: ``"accumulators"``, ``"host"``
-    or None once settled). Every method may be called from any thread (hivemind's optimizer settles a delayed round
-    in a background thread).
+    A round is named by a key of the caller's (e.g. the round's control handle). ``holding``: the accumulators still
+    hold the latest round's local gradients, so they must be released before the next accumulation. Calls concern
+    the round named by :meth:`for_round` in the calling thread, else the latest round. Every method may be called from
+    any thread (hivemind's optimizer settles a delayed round in a background thread).
 
     :param accumulators: the averager's accumulators, built from ``parameters``
     :param parameters: the averager's parameters (a host copy has their layout, as the averager's shared buffers do)
@@ -33,23 +37,59 @@ class LocalFallback:
       a hook on each parameter releases them before a backward pass adds into them
     """
 
+    max_rounds = 2  # rounds kept at once: beginning a third one drops the oldest
+
     def __init__(self, accumulators: GradientBuckets, parameters: Sequence[torch.Tensor], in_place: bool):
         self.accumulators = accumulators
         self.parameters = tuple(parameters)
         self._hooked = tuple(param for param in parameters if in_place and param.requires_grad)
         self.holding = False
-        self.where: Optional[str] = None
-        self._loaded_scale, self._finite = 0.0, True
-        self._host: Optional[GradientBuckets] = None  # allocated at the first round released unsettled
+        # key -> where the round's gradients are (None: the accumulators, else a host buffer) and their scale, in
+        # the order the rounds began
+        self._kept: Dict[Hashable, List] = {}
+        self._latest: Optional[Hashable] = None
+        self._hosts: List[GradientBuckets] = []  # allocated at the first round released unsettled, reused
+        self._lent: List[GradientBuckets] = []  # host copies taken by take_host_copy_, not reused until given back
         self._hooks: List[torch.utils.hooks.RemovableHandle] = []
         self._lock = threading.RLock()
+        self._thread = threading.local()
 
     @property
     def host_bytes(self) -> int:
         """host memory held for fallbacks (0 until a round had to be copied out of the accumulators)"""
-        if self._host is None:
-            return 0
-        return sum(bucket.flat.numel() * bucket.flat.element_size() for bucket in self._host.buckets)
+        return sum(bucket.flat.numel() * bucket.flat.element_size() for host in self._hosts for bucket in host.buckets)
+
+    @property
+    def kept_rounds(self) -> int:
+        """how many rounds' local gradients are kept"""
+        return len(self._kept)
+
+    @contextlib.contextmanager
+    def for_round(self, key: Hashable, beginning: bool = False) -> Iterator[None]:
+        """
+        Within, calls from this thread concern the round ``key``.
+
+        :param key: the round's key
+        :param beginning: True while the round begins: :meth:`hand_off_` keeps it under ``key`` and :meth:`load_into_`
+          loads nothing; False: :meth:`load_into_` and :meth:`settle_` load or settle that round's gradients only
+        """
+        outer = getattr(self._thread, "round", None)
+        self._thread.round = key, beginning
+        try:
+            yield
+        finally:
+            self._thread.round = outer
+
+    def _round(self) -> Optional[Hashable]:
+        named = getattr(self._thread, "round", None)
+        return named[0] if named is not None else self._latest
+
+    @property
+    def lost(self) -> bool:
+        """whether :meth:`for_round` names a round that is not beginning, in this thread, whose gradients are kept no
+        longer"""
+        named = getattr(self._thread, "round", None)
+        return named is not None and not named[1] and named[0] not in self._kept
 
     def hand_off_(self, scale: float, finite: bool) -> None:
         """
@@ -60,8 +100,12 @@ class LocalFallback:
         """
         with self._lock:
             self._remove_hooks()
-            self.holding, self.where = True, "accumulators"
-            self._loaded_scale, self._finite = scale, finite
+            while len(self._kept) >= self.max_rounds:
+                del self._kept[next(iter(self._kept))]
+            named = getattr(self._thread, "round", None)
+            self._latest = key = named[0] if named is not None and named[0] is not None else object()
+            self._kept[key] = [None, scale if finite else 0.0]
+            self.holding = True
             self._hooks = [param.register_hook(self._before_backward_adds) for param in self._hooked]
 
     def settle_(self) -> None:
@@ -69,38 +113,68 @@ class LocalFallback:
         are until the next micro-step or reset releases them: with an optimizer that is not offloaded, ``.grad`` may
         be their view (in-place mode) and hold the averaged gradients the optimizer is about to step with"""
         with self._lock:
-            self.where = None
+            self._kept.pop(self._round(), None)
 
     def load_into_(self, destination: Destination) -> bool:
         """
-        Load the unsettled round's local gradients, as they were loaded for the round, into ``destination``; the round
-        is settled then.
+        Load the round's local gradients, as they were loaded for the round, into ``destination``; the round is
+        settled then.
 
         :param destination: the averager's shared buffers (buckets of the same layout, or one tensor per parameter)
-        :returns: False (loading nothing) if no round is unsettled
+        :returns: False (loading nothing) if the round is settled or its gradients are kept no longer
         """
         with self._lock:
-            if self.where is None:
+            kept = self._kept.get(self._round())
+            if kept is None:
                 return False
-            in_accumulators = self.where == "accumulators"
-            source, scale = (self.accumulators, self._loaded_scale) if in_accumulators else (self._host, 1.0)
-            source.scaled_copy_to_(destination, scale if self._finite else 0.0)
+            host, scale = kept
+            (self.accumulators if host is None else host).scaled_copy_to_(destination, scale)
             self.settle_()
             return True
+
+    def take_host_copy_(self) -> Optional[GradientBuckets]:
+        """
+        The round's local gradients, as they were loaded for the round, if they were copied to host memory (a later
+        micro-step needed the accumulators); the round is settled then.
+
+        :returns: the host copy, not reused until :meth:`give_back_`; None (taking nothing) if there is none
+        """
+        with self._lock:
+            key = self._round()
+            kept = self._kept.get(key)
+            if kept is None or kept[0] is None:
+                return None
+            del self._kept[key]
+            self._lent.append(kept[0])
+            return kept[0]
+
+    def give_back_(self, host: GradientBuckets) -> None:
+        """a host copy from :meth:`take_host_copy_` is no longer read"""
+        with self._lock:
+            self._lent = [lent for lent in self._lent if lent is not host]
 
     def release_(self) -> None:
         """zero the accumulators for the next micro-steps (one ``zero_`` per bucket), first copying an unsettled
         round's local gradients to host memory (one scaled copy per bucket)"""
         with self._lock:
-            if self.where == "accumulators":
-                if self._host is None:
-                    self._host = GradientBuckets(self.parameters, device="cpu", upcast=True)
-                self.accumulators.scaled_copy_to_(self._host, self._loaded_scale if self._finite else 0.0)
-                self.where = "host"
+            kept = self._kept.get(self._latest)
+            if kept is not None and kept[0] is None:
+                kept[0] = self._free_host()
+                self.accumulators.scaled_copy_to_(kept[0], kept[1])
+                kept[1] = 1.0
             self.accumulators.zero_()
             self.holding = False
             if not self._in_backward:  # a hook's own list is not changed while autograd runs it
                 self._remove_hooks()
+
+    def _free_host(self) -> GradientBuckets:
+        """a host buffer that holds no kept round, allocated if there is none"""
+        used = [kept[0] for kept in self._kept.values()] + self._lent
+        for host in self._hosts:
+            if all(host is not other for other in used):
+                return host
+        self._hosts.append(GradientBuckets(self.parameters, device="cpu", upcast=True))
+        return self._hosts[-1]
 
     _in_backward = False
 

@@ -2,10 +2,13 @@
 :class:`hivemind.Optimizer` that builds this package's gradient averager by default and handles loss scaling without
 a host-device synchronization per micro-step.
 """
+import contextlib
 import inspect
-from typing import Callable, List, Optional, Tuple
+import threading
+from typing import Callable, ContextManager, List, Optional, Tuple
 
 import torch
+from hivemind.averaging.control import StepControl
 from hivemind.dht import DHT
 from hivemind.optim import optimizer as upstream
 from hivemind.optim.grad_averager import GradientAveragerFactory
@@ -14,7 +17,7 @@ from hivemind.optim.state_averager import ZERO_GRAD_SET_TO_NONE_DEFAULT
 from hivemind.utils import get_logger
 
 from hivemind_accum.optim.grad_averager import GradientAverager, is_positive_int
-from hivemind_accum.optim.grad_buckets import check_distinct
+from hivemind_accum.optim.grad_buckets import LOW_PRECISION, check_distinct
 from hivemind_accum.optim.progress_tracker import ProgressTracker
 from hivemind_accum.optim.round_guard import SkipUnusableSteps, all_finite
 from hivemind_accum.optim.state_averager import TrainingStateAverager
@@ -106,14 +109,17 @@ class Optimizer(upstream.Optimizer):
             client_mode=client_mode, auxiliary=auxiliary, **kwargs,
         )
         self._micro_step_scaler = None
+        self._lost_round = threading.local()  # see _round_usable
+        self._host_copy_step = threading.local()  # see _step_with_host_copy
         self._own_found_inf_record = []  # the overflow tensors step() last recorded in the grad scaler
         if self.use_gradient_averaging and self._guards_gradients():
             # a round whose gradients are not usable (inf/NaN, see _load_averaged_gradients_into_optimizer_) makes the
             # optimizer step, run by the state averager (maybe in its thread), a no-op
             self._skip_unusable_steps = SkipUnusableSteps(
-                self.state_averager.optimizer, usable=lambda: self.grad_averager.round_guard.round_usable,
-                on_skip=self._on_skipped_step,
+                self.state_averager.optimizer, usable=self._round_usable, on_skip=self._on_skipped_step,
             )
+            self.state_averager.optimizer.register_step_pre_hook(self._swap_in_host_copy)  # after the skip's hooks
+            self.state_averager.optimizer.register_step_post_hook(self._swap_out_host_copy)
         if self.use_gradient_averaging and not self.auxiliary:
             # torch.amp.GradScaler.step then hands itself to step() instead of unscaling and reading the overflow
             # flag on the host before every micro-step in the exact mode as in the in-place one
@@ -251,6 +257,8 @@ class Optimizer(upstream.Optimizer):
                     "averages with weight 0 and skips the optimizer step; the loss scale will back off"
                 )
                 self.grad_averager.reset_accumulated_grads_()
+        if self.scheduled_grads is None and self.tracker.global_progress.num_peers > 1:
+            self.scheduled_grads = self._schedule_round()  # the round's local gradients are kept under its control
         return super()._begin_averaging_gradients(None)
 
     def _load_averaged_gradients_into_optimizer_(self):
@@ -286,14 +294,40 @@ class Optimizer(upstream.Optimizer):
             return self.grad_averager.notify_used_averaged_gradients()  # the optimizer step will be skipped
         self._load_gradients_into_optimizer_()
 
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Optional[StepControl]):
+        """Run gradient averaging; on success, feed averaged gradients into optimizer; else, use local gradients of
+        the round ``maybe_step_control`` began, even after later rounds began"""
+        with self._bound_to_round(maybe_step_control):
+            super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+
+    def _schedule_round(self) -> Optional[StepControl]:
+        """a gradient averaging round's control, scheduled as ``GradientAverager.step`` would schedule it; None (and
+        an error logged) if it cannot be"""
+        try:
+            return self.grad_averager.schedule_step()
+        except Exception as e:
+            logger.exception(e)
+            return None
+
+    def _bound_to_round(self, control: Optional[StepControl]) -> ContextManager:
+        """a context within which this thread's fallback and settling concern the round ``control`` began"""
+        if control is None or not getattr(self.grad_averager, "keep_local_fallback", False):
+            return contextlib.nullcontext()
+        return self.grad_averager.local_fallback.for_round(control)
+
     def _load_local_gradients_into_optimizer(self):
         """Fall back to this peer's own gradients of the round: load them into the averager's buffers (averaged over
         micro-steps, and on the host where the optimizer is offloaded), then into the optimizer. A
-        :class:`GradientAverager` checked them as it loaded them: if they held inf or NaN, the optimizer step is
-        skipped (see :class:`~hivemind_accum.optim.round_guard.SkipUnusableSteps`)"""
+        :class:`GradientAverager` checked them as it loaded them: if they held inf or NaN, or if they are kept no
+        longer (two later rounds began), the optimizer step is skipped (see
+        :class:`~hivemind_accum.optim.round_guard.SkipUnusableSteps`)"""
         logger.log(self.status_loglevel, "Proceeding with local gradients")
-        self.grad_averager.load_accumulators_into_averager_()
-        if self._guards_gradients() and not self.grad_averager.round_guard.round_usable:
+        if self._step_with_host_copy():
+            self.grad_averager.notify_used_averaged_gradients()
+        elif self.grad_averager.load_accumulators_into_averager_() is False:
+            self._lost_round.skip = True  # a delayed round: its step runs next, in this thread
+            self.grad_averager.notify_used_averaged_gradients()
+        elif self._guards_gradients() and not self.grad_averager.round_guard.round_usable:
             self.grad_averager.notify_used_averaged_gradients()  # the optimizer step will be skipped
         else:
             self._load_gradients_into_optimizer_()  # checked already
@@ -309,6 +343,54 @@ class Optimizer(upstream.Optimizer):
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
         super()._load_averaged_gradients_into_optimizer_()
+
+    def _step_with_host_copy(self) -> bool:
+        """delayed averaging (offloaded): if the round's local gradients were copied to host memory (the next epoch
+        accumulated during the round), the optimizer step, next in this thread, uses that copy as ``.grad``, and the
+        averager's buffers, which may hold a later round's part by now, are left alone; returns whether it will"""
+        fallback = getattr(self.grad_averager, "local_fallback", None)
+        if not self.delay_grad_averaging or fallback is None or not self.grad_averager.keep_local_fallback:
+            return False
+        params = [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]
+        host_layout = [(param.shape, torch.float32 if param.dtype in LOW_PRECISION else param.dtype, "cpu")
+                       for param in fallback.parameters]  # GradientBuckets(device="cpu", upcast=True)
+        if host_layout != [(param.shape, param.dtype, param.device.type) for param in params]:
+            return False
+        host = fallback.take_host_copy_()
+        if host is None:
+            return False
+        self._host_copy_step.host = host
+        return True
+
+    def _swap_in_host_copy(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        """step pre-hook: a step of :meth:`_step_with_host_copy` runs with the host copy as ``.grad`` (a skipped step,
+        whose ``.grad`` are None, is left as it is)"""
+        host, self._host_copy_step.host = getattr(self._host_copy_step, "host", None), None
+        if host is None:
+            return
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        self._host_copy_step.swapped = host, [(param, param.grad) for param in params if param.grad is not None]
+        for param, grad in zip(params, host.views):
+            if param.grad is not None:
+                param.grad = grad
+
+    def _swap_out_host_copy(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        """step post-hook: the ``.grad`` tensors are put back and the host copy given back"""
+        swapped, self._host_copy_step.swapped = getattr(self._host_copy_step, "swapped", None), None
+        if swapped is None:
+            return
+        host, grads = swapped
+        for param, grad in grads:
+            param.grad = grad
+        self.grad_averager.local_fallback.give_back_(host)
+
+    def _round_usable(self) -> bool:
+        """whether the optimizer step about to run may use its round's gradients: not if this thread's fallback found
+        them kept no longer, nor if the round's gradients held inf or NaN (``round_guard.round_usable``)"""
+        if getattr(self._lost_round, "skip", False):
+            self._lost_round.skip = False
+            return False
+        return self.grad_averager.round_guard.round_usable
 
     def _on_skipped_step(self) -> None:
         """the optimizer step of an unusable round is about to be skipped: the next state averaging round (which the

@@ -34,7 +34,7 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
         """:meth:`GradientAverager.load_accumulators_into_averager_`, after :meth:`discard_nonfinite_round_`: this
         peer never enters a round with inf/NaN error feedback or ``Q``, whatever became of the previous round"""
         self.discard_nonfinite_round_()
-        super().load_accumulators_into_averager_()
+        return super().load_accumulators_into_averager_()
 
     @torch.no_grad()
     def discard_nonfinite_round_(self) -> None:

@@ -325,6 +325,11 @@ with an optimizer that is not offloaded, Optimizer copies the averaged gradients
 reuse_grad_buffers=True is a view of the accumulators, and steps with them after the round is settled.
 PowerSGDGradientAverager opts out (keep_local_fallback = False): it adds the local gradients into its error feedback
 when the all-reduce starts, so applying them again would count them twice.
+
+Each round's local gradients are kept under the round's StepControl, also while later rounds begin (at most two
+rounds are kept; a third drops the oldest). With delay_grad_averaging=True a round's fallback can wait for the
+averager's lock, held by the round's all-reduce, until the next round has begun; it then loads its own round's
+gradients, where it would load the next round's window, which the next round then uses again.
 """,
     enters=("local_fallback", "power_sgd_averager"),
     omit={
@@ -336,7 +341,9 @@ when the all-reduce starts, so applying them again would count them twice.
             "self._loaded_scale = grad_scale",
             "handing_off = self._accumulators_used_in_step and self.keep_local_fallback",
             "GradientAverager.step",
+            "GradientAverager._beginning_round",
             "GradientAverager.notify_used_averaged_gradients",
+            Edit("from typing import ContextManager, Iterable,", "from typing import Iterable,"),
             Edit(
                 "        if self.local_fallback.holding:  # the first micro-step after a round began: the accumulators "
                 "start over\n"
@@ -359,6 +366,10 @@ when the all-reduce starts, so applying them again would count them twice.
                 "                logger.info(\"Averaging round was not used: loaded this round's local gradients "
                 "again\")\n"
                 "                return\n"
+                "        if self.local_fallback.lost:  # never another round's gradients instead\n"
+                "            logger.warning(\"Averaging round was not used and its local gradients are no longer kept: "
+                "nothing loaded\")\n"
+                "            return False\n"
                 "        if self.local_fallback.holding:  # a round began since the last micro-step: there is nothing "
                 "new to load\n"
                 "            self.local_fallback.release_()\n"
@@ -367,6 +378,19 @@ when the all-reduce starts, so applying them again would count them twice.
                 " If the last round is not settled (it failed), load that\n"
                 "        round's local gradients again instead (see ``step``)."
             ),
+            Edit(
+                "\n\n        :returns: False (loading nothing) where ``local_fallback.for_round(control)`` names a round "
+                "that keeps its\n          local gradients no longer: a fallback loads only its own round's; else None"
+            ),
+        ),
+        "optimizer": (
+            "import contextlib",
+            "from hivemind.averaging.control import StepControl",
+            "Optimizer._average_gradients_and_load_into_optimizer",
+            "Optimizer._bound_to_round",
+            "Optimizer._schedule_round",
+            "if self.scheduled_grads is None and self.tracker.global_progress.num_peers > 1:",
+            Edit("from typing import Callable, ContextManager, List,", "from typing import Callable, List,"),
         ),
     },
 )
@@ -387,6 +411,9 @@ all-reduce, and a peer downloading the state copied whatever it received.
   non-finite result. It does not share a non-finite state, and load_state_from_peers (with wait=True, as Optimizer
   calls it) discards a downloaded state that is not finite.
 - PowerSGDGradientAverager resets error feedback and Q left non-finite by a round before the next one.
+- A round's fallback that finds its local gradients kept no longer (two later rounds began) skips its step; one
+  whose local gradients were copied to host memory (offloaded, the next epoch accumulated during the round) steps
+  with that copy as .grad and leaves the averager's buffers, which may hold the next round's part by then, alone.
 """,
     enters=("round_guard", "state_averager"),
     omit={
@@ -400,13 +427,7 @@ all-reduce, and a peer downloading the state copied whatever it received.
             Edit("    def hand_off_(self, scale: float, finite: bool) -> None:\n",
                  "    def hand_off_(self, scale: float) -> None:\n"),
             Edit("        :param finite: whether they were finite (if not, the fallback is zeros, as sent to peers)\n"),
-            Edit("            self._loaded_scale, self._finite = scale, finite\n",
-                 "            self._loaded_scale = scale\n"),
-            Edit("        self._loaded_scale, self._finite = 0.0, True\n", "        self._loaded_scale = 0.0\n"),
-            Edit("source.scaled_copy_to_(destination, scale if self._finite else 0.0)",
-                 "source.scaled_copy_to_(destination, scale)"),
-            Edit("self.accumulators.scaled_copy_to_(self._host, self._loaded_scale if self._finite else 0.0)",
-                 "self.accumulators.scaled_copy_to_(self._host, self._loaded_scale)"),
+            Edit("self._kept[key] = [None, scale if finite else 0.0]", "self._kept[key] = [None, scale]"),
         ),
         "grad_averager": (
             "from hivemind_accum.optim.round_guard import RoundGuard",
@@ -443,6 +464,13 @@ all-reduce, and a peer downloading the state copied whatever it received.
             "PowerSGDGradientAverager.discard_nonfinite_round_",
         ),
         "optimizer": (
+            "import threading",
+            "self._lost_round = threading.local()  # see _round_usable",
+            "self._host_copy_step = threading.local()  # see _step_with_host_copy",
+            "Optimizer._round_usable",
+            "Optimizer._step_with_host_copy",
+            "Optimizer._swap_in_host_copy",
+            "Optimizer._swap_out_host_copy",
             "from hivemind_accum.optim.round_guard import SkipUnusableSteps, all_finite",
             "from hivemind_accum.optim.state_averager import TrainingStateAverager",
             "if self.use_gradient_averaging and self._guards_gradients():",
@@ -478,6 +506,7 @@ on an averager that is not running raise a RuntimeError that says so.
         ),
         "grad_averager": (
             'self._check_running("step")',
+            Edit("; raises a\n        clear ``RuntimeError`` if the averager is not running"),
             "GradientAverager.schedule_step",
             "GradientAverager._check_running",
         ),
