@@ -129,24 +129,18 @@ class FlaggedCompression(NoCompression):
         return super().compress(tensor, info, allow_inplace)
 
 
-class LateFailingControl:
-    """``late`` mode: a StepControl whose round runs as usual, but whose result raises once the round is over"""
+def fail_late(control: StepControl) -> StepControl:
+    """``late`` mode: the round runs as usual, but ``control``'s result raises once the round is over. The control
+    keeps its identity: the optimizer keeps a round's local gradients under its control"""
+    wait_for_round = control.exception
 
-    def __init__(self, control):
-        object.__setattr__(self, "_control", control)
-
-    def __getattr__(self, name):
-        return getattr(self._control, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._control, name, value)
-
-    def result(self, timeout=None):
-        self._control.exception(timeout)  # wait for the round to end, whatever its outcome
+    def result(timeout=None):
+        wait_for_round(timeout)  # wait for the round to end, whatever its outcome
         raise InjectedFailure("soak test: injected averaging failure (late)")
 
-    def exception(self, timeout=None):
-        return InjectedFailure("soak test: injected averaging failure (late)")
+    control.result = result
+    control.exception = lambda timeout=None: InjectedFailure("soak test: injected averaging failure (late)")
+    return control
 
 
 class PeerContext:
@@ -218,9 +212,7 @@ class RecordingAverager(hivemind_accum.GradientAverager):
         )
         soak.events["round_key"] = key
         if failure == "late":
-            control = LateFailingControl(control)
-            soak.keys[id(control)] = key
-            soak.controls.append(control)
+            control = fail_late(control)
         return control.result(timeout) if wait else control
 
 
