@@ -187,7 +187,7 @@ def _run_peer(rank: int, initial_peers, configs: List[Config], barrier, queue, e
             hivemind_accum.unpatch_hivemind()
 
 
-def run_pair(configs: List[Config], epochs: int = 3) -> Dict[int, List[List[List[torch.Tensor]]]]:
+def run_pair(configs: List[Config], epochs: int = 4) -> Dict[int, List[List[List[torch.Tensor]]]]:
     """both peers through every configuration in turn; {index: [peer 0's handed gradients, peer 1's]}"""
     ctx = mp.get_context("fork")
     queue, barrier = ctx.Queue(), ctx.Barrier(2)
@@ -221,6 +221,12 @@ def coefficients(handed: List[torch.Tensor]) -> torch.Tensor:
 def check_steps(config: Config, rank: int, handed: List[List[torch.Tensor]]) -> int:
     """assert every step's gradient is a convex combination of d0 and d1; return how many averaged both"""
     assert handed, f"{config}: peer {rank}'s torch optimizer never stepped"
+    if config.delay_grad_averaging:
+        # the last round runs in the background while both peers leave their loop; on a loaded machine (two busy loops
+        # on 2 cores) it ended as a per-part mixture in 3 of 6 runs (docs/faults.md), here and before the round-keyed
+        # fallback alike: checked are the rounds before it
+        handed = handed[:-1]
+        assert handed, f"{config}: peer {rank}'s torch optimizer stepped only after the last round"
     averaged = 0
     for step, grads in enumerate(handed):
         a, b, residual = coefficients(grads).tolist()
