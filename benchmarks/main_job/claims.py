@@ -66,8 +66,8 @@ def make_claims(work: Dict[str, Dict[str, Any]], training: Dict[Tuple[str, str],
     """
     claims = []
 
-    def claim(text: str, a, b, fmt: str, holds: bool, why: Optional[Callable[[], str]] = None,
-              timing: bool = False) -> None:
+    def claim(text: str, a, b, fmt: str, holds: bool, why: Optional[Callable[[], str]] = None) -> None:
+        timing = fmt.endswith(("ms", "x"))  # milliseconds or x native
         judged = holds or not (timing and load)
         claims.append(dict(text=text, a=fmt.format(a), b=fmt.format(b), holds=bool(holds), judged=judged,
                            why=None if holds else load if not judged else (why() if why else UNEXPECTED)))
@@ -78,17 +78,17 @@ def make_claims(work: Dict[str, Dict[str, Any]], training: Dict[Tuple[str, str],
         fp16 = {key: row["no_sync_step_fp16_ms"] for key, row in w.items()}
         claim("accum exact no-sync step (fp32) cheaper than upstream", step["exact"], step["upstream"], ms,
               step["exact"] < step["upstream"],
-              lambda: "a CPU step is bound by memory bandwidth: one fused add saves only Python overhead", timing=True)
+              lambda: "a CPU step is bound by memory bandwidth: one fused add saves only Python overhead")
         claim("accum exact tensor ops per no-sync step fewer than upstream", w["exact"]["step_ops"],
               w["upstream"]["step_ops"], count, w["exact"]["step_ops"] < w["upstream"]["step_ops"])
         claim("accum in place no-sync step (fp32) cheaper than upstream", step["inplace"], step["upstream"], ms,
-              step["inplace"] < step["upstream"], timing=True)
+              step["inplace"] < step["upstream"])
         gap = step["inplace"] - step["upstream_reuse"]
         claim("accum in place no-sync step (fp32) cheaper than upstream reuse", step["inplace"],
               step["upstream_reuse"], ms, gap < 0,
               lambda: f"neither does tensor work ({w['inplace']['step_ops']} vs {w['upstream_reuse']['step_ops']} "
                       f"ops); the {gap:.2f} ms is bookkeeping, "
-                      f"{gap / w['inplace']['micro_step_ms']:.2%} of a micro-step", timing=True)
+                      f"{gap / w['inplace']['micro_step_ms']:.2%} of a micro-step")
         claim("accum in place tensor ops per no-sync step no more than upstream reuse", w["inplace"]["step_ops"],
               w["upstream_reuse"]["step_ops"], count, w["inplace"]["step_ops"] <= w["upstream_reuse"]["step_ops"])
         claim("accum exact host reads per fp16 micro-step no more than upstream (CPU: 1 by design)",
@@ -99,9 +99,9 @@ def make_claims(work: Dict[str, Dict[str, Any]], training: Dict[Tuple[str, str],
               w["inplace"]["host_reads_fp16"] < w["upstream_reuse"]["host_reads_fp16"])
         claim(f"accum exact fp16 no-sync step within {FP16_EXACT_PARITY}x upstream's", fp16["exact"],
               fp16["upstream"], ms, fp16["exact"] <= FP16_EXACT_PARITY * fp16["upstream"],
-              lambda: "on a CPU both make two passes over the gradients, a tie: rerun on a quiet machine", timing=True)
+              lambda: "on a CPU both make two passes over the gradients, a tie: rerun on a quiet machine")
         claim("accum in place fp16 no-sync step cheaper than upstream reuse", fp16["inplace"],
-              fp16["upstream_reuse"], ms, fp16["inplace"] < fp16["upstream_reuse"], timing=True)
+              fp16["upstream_reuse"], ms, fp16["inplace"] < fp16["upstream_reuse"])
         for precision in ("fp32", "fp16"):
             key = f"accum_mb_{precision}"
             claim(f"accum exact accumulator memory ({precision}) no more than upstream", w["exact"][key],
@@ -113,14 +113,14 @@ def make_claims(work: Dict[str, Dict[str, Any]], training: Dict[Tuple[str, str],
               lambda: "by design with delay_grad_averaging: this copy keeps a failed round's local gradients")
         ratio = {key: row["x_native"] for key, row in w.items()}
         claim(f"accum in place micro-step within {IN_PLACE_TARGET}x native", ratio["inplace"], IN_PLACE_TARGET, x,
-              ratio["inplace"] <= IN_PLACE_TARGET, lambda: _outside_step(w, "inplace", "upstream_reuse"), timing=True)
+              ratio["inplace"] <= IN_PLACE_TARGET, lambda: _outside_step(w, "inplace", "upstream_reuse"))
         claim(f"accum exact micro-step within {EXACT_TARGET}x native", ratio["exact"], EXACT_TARGET, x,
-              ratio["exact"] <= EXACT_TARGET, lambda: _outside_step(w, "exact", "upstream"), timing=True)
+              ratio["exact"] <= EXACT_TARGET, lambda: _outside_step(w, "exact", "upstream"))
         claim("accum exact micro-step no slower than upstream (x native)", ratio["exact"], ratio["upstream"], x,
-              ratio["exact"] <= ratio["upstream"], lambda: _noise(ratio["exact"], ratio["upstream"]), timing=True)
+              ratio["exact"] <= ratio["upstream"], lambda: _noise(ratio["exact"], ratio["upstream"]))
         claim("accum in place micro-step no slower than upstream reuse (x native)", ratio["inplace"],
               ratio["upstream_reuse"], x, ratio["inplace"] <= ratio["upstream_reuse"],
-              lambda: _noise(ratio["inplace"], ratio["upstream_reuse"]), timing=True)
+              lambda: _noise(ratio["inplace"], ratio["upstream_reuse"]))
         ours, theirs = w["inplace"]["zero_grad_error"], w["upstream_reuse"]["zero_grad_error"]
         claims.append(dict(
             text="opt.zero_grad() with reuse_grad_buffers=True: accum allowed, upstream raises",

@@ -202,7 +202,8 @@ class Optimizer(upstream.Optimizer):
             return super().step(closure, batch_size, grad_scaler=None)
         finally:
             self._micro_step_scaler = None
-            self._own_found_inf_record = list(_optimizer_state(grad_scaler, self)["found_inf_per_device"].values())
+            if isinstance(grad_scaler, HivemindGradScaler):  # see _begin_hivemind_scaler_micro_step
+                self._own_found_inf_record = list(_optimizer_state(grad_scaler, self)["found_inf_per_device"].values())
 
     def _begin_hivemind_scaler_micro_step(self, scaler: HivemindGradScaler) -> None:
         """exact mode, ``hivemind.GradScaler``: refuse a loop that called its ``unscale_`` (which, between global steps,
