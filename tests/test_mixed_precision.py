@@ -94,7 +94,7 @@ def test_overflowing_micro_step_is_dropped(dht, path, device):
                 if param.grad is not None:
                     acc += param.grad.to_dense() / scale
         kept_grad = model.fc.weight.grad.clone()
-        found.append(averager.accumulate_grads_(batch, inv_grad_scale=torch.tensor(1 / scale)))
+        found.append(averager.accumulate_grads_(batch, inv_grad_scale=torch.tensor(1 / scale)).clone())
         torch.testing.assert_close(model.fc.weight.grad, kept_grad, rtol=0, atol=0, equal_nan=True)
     assert [f.item() for f in found] == [0, 0, 1, 1, 0]
     assert (averager.local_times_accumulated, averager.local_samples_accumulated) == (5, 5 * batch)  # until settled

@@ -171,7 +171,8 @@ class GradientAverager(upstream.GradientAverager):
         :param inv_grad_scale: optional 0-dim float32 tensor on any device, ``1 / loss_scale`` of this micro-step's
           gradients (``torch.ones(())`` for gradients already unscaled but not yet checked for inf/NaN)
         :returns: with ``inv_grad_scale``, ``found_inf``: a 0-dim float32 tensor on the accumulators' device, 1.0 if
-          this micro-step was dropped (what ``torch.amp.GradScaler.update`` reads to back off); otherwise None
+          this micro-step was dropped (what ``torch.amp.GradScaler.update`` reads to back off); on an accelerator the
+          same tensor at every call, overwritten by the next micro-step (clone it to keep it); otherwise None
         :raises ValueError: if ``batch_size`` is not a positive integer, or ``inv_grad_scale`` is given in in-place
           mode (there autograd has already added the gradients to the accumulators); in in-place mode also if a
           ``.grad`` was replaced by a tensor computed from the running sum (the message names the parameter)

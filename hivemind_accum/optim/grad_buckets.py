@@ -41,6 +41,8 @@ class GradientBucket:
       (:meth:`GradientBuckets.add_finite_`)
     :param drop_mask: a 0-dim bool of ``flat``'s device, allocated on first use: whether
       :meth:`GradientBuckets.add_finite_` drops the micro-step it adds
+    :param found_inf: a 0-dim float32 of ``flat``'s device, allocated on first use: whether
+      :meth:`GradientBuckets.add_finite_` found inf or NaN in this bucket's sources (the first bucket's: in any)
     """
 
     flat: torch.Tensor
@@ -50,6 +52,7 @@ class GradientBucket:
     source_dtype: torch.dtype
     staging: Optional["GradientBucket"] = field(default=None, repr=False)
     drop_mask: Optional[torch.Tensor] = field(default=None, repr=False)
+    found_inf: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def stage_(self, sources: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
         """copy ``sources`` (one per view, None = zeros) into the staging buffer with one fused copy, cast to the
@@ -225,7 +228,8 @@ class GradientBuckets:
           unscaled gradients), on any device; copied to each bucket's device (blocking only towards the CPU)
         :param alpha: scalar weight applied to every source
         :returns: ``found_inf``, a 0-dim float32 tensor on the first bucket's device: 1.0 if the sources were
-          dropped, 0.0 if they were added
+          dropped, 0.0 if they were added; off the host path the same tensor each call, overwritten by the next one
+          (in stream order)
         """
         if inv_scale.dtype != torch.float32:  # the unscale kernel takes float32 only; a cast on the device, no sync
             inv_scale = inv_scale.float()
@@ -335,17 +339,18 @@ def _add_finite_on_device(
     buckets: GradientBuckets, sources: Sequence[Optional[torch.Tensor]], inv_scale: torch.Tensor, alpha: float
 ) -> torch.Tensor:
     """:meth:`GradientBuckets.add_finite_` without a host synchronization: check, unscale and mask on the device; from
-    the second call on it allocates only the ``found_inf`` it returns"""
-    found_inf = torch.zeros((), dtype=torch.float32, device=buckets.buckets[0].flat.device)
+    the second call on it allocates nothing"""
     staged = []
     for bucket in buckets.buckets:
-        device = bucket.flat.device
+        if bucket.found_inf is None:
+            bucket.found_inf = torch.zeros((), dtype=torch.float32, device=bucket.flat.device)
+        bucket.found_inf.zero_()
+    found_inf = buckets.buckets[0].found_inf
+    for bucket in buckets.buckets:
         flat = bucket.stage_([sources[i] for i in bucket.indices])  # kept: nothing allocated per micro-step
-        bucket_inf = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
-        bucket_inv_scale = _to_device(inv_scale, device)
-        non_finite_check_and_unscale_([flat], bucket_inf, bucket_inv_scale)
-        if bucket_inf is not found_inf:
-            found_inf.add_(_to_device(bucket_inf, found_inf.device))
+        non_finite_check_and_unscale_([flat], bucket.found_inf, _to_device(inv_scale, bucket.flat.device))
+        if bucket.found_inf is not found_inf:
+            found_inf.add_(_to_device(bucket.found_inf, found_inf.device))
         staged.append(flat)
     for bucket, flat in zip(buckets.buckets, staged):  # a micro-step counts only if all of it is finite
         if bucket.drop_mask is None:

@@ -239,7 +239,9 @@ accelerator once per micro-batch.
                 "          gradients (``torch.ones(())`` for gradients already unscaled but not yet checked for inf/NaN)\n"
                 "        :returns: with ``inv_grad_scale``, ``found_inf``: a 0-dim float32 tensor on the accumulators' "
                 "device, 1.0 if\n"
-                "          this micro-step was dropped (what ``torch.amp.GradScaler.update`` reads to back off); "
+                "          this micro-step was dropped (what ``torch.amp.GradScaler.update`` reads to back off); on an "
+                "accelerator the\n"
+                "          same tensor at every call, overwritten by the next micro-step (clone it to keep it); "
                 "otherwise None\n"
             ),
             Edit(
