@@ -2,7 +2,7 @@
 The GPU run's bookkeeping, checked on the CPU: the sweep records a failing worker and goes on, writes its results
 after every worker, and the benchmark targets replay a saved sweep without measuring anew (fake workers); the kernel
 launch counts the CUDA targets are computed from (hand-computed cases, and the op count of exact mode's step); the
-main job's claims on synthetic rows (load, and reasons that agree with their numbers).
+main job's claims on synthetic rows (load, and reasons that agree with their numbers); the memory table's counts.
 """
 import json
 import os
@@ -11,7 +11,9 @@ import sys
 
 import pytest
 
-from benchmarks import micro_step_worker, sweep
+import torch
+
+from benchmarks import memory_table, micro_step_worker, sweep
 from benchmarks.kernel_launches import CHUNK_SIZE, EXACT_STEP_OTHER_OPS, multi_tensor_launches
 from benchmarks.micro_step_worker import WORK_KEYS
 from hivemind_accum.optim import grad_buckets
@@ -168,3 +170,20 @@ def test_main_job_outside_step_reason_agrees_with_its_numbers():
     assert "not this package's cost" not in why and "slower" in why
     why = {c["text"]: c for c in make_claims(_work_rows(exact=24.3, upstream=25.0), {})}[text]["why"]
     assert why.startswith("opt.step() 1.00 ms; 13.3 ms outside it") and "not this package's cost" in why
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("label, dtype, expected", [
+    ("upstream, reuse_grad_buffers=False", torch.float16, (2, 2, 2)),
+    ("exact", torch.float32, (4, 4, 4)),
+    ("exact", torch.bfloat16, (2, 8, 4)),  # float32 staging buffer and accumulators, float32 shared buffers
+    ("exact, loss scaling on an accelerator", torch.float32, (4, 8, 4)),
+    ("exact, accumulate_in_fp32=False", torch.float16, (2, 2, 4)),
+    ("in place", torch.float16, (2, 0, 4)),
+])
+def test_memory_table_counts_each_buffer_once(dht, label, dtype, expected):
+    """docs/modes.md's memory table: bytes per parameter element in .grad, accumulators and staging, shared buffers"""
+    configuration = next(c for c in memory_table.CONFIGURATIONS if c[0] == label)
+    held = memory_table.measure(dht, *configuration, dtype)
+    # in place keeps three float32 drop counters besides the views: 12 bytes over the MLP's 10 384 elements
+    assert tuple(round(held[group], 2) for group in (".grad", "accumulators", "shared")) == expected, held
