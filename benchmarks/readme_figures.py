@@ -1,0 +1,68 @@
+"""
+The README's table of no-sync ``opt.step()`` costs, generated from the committed runs: the one source of its figures.
+
+Upstream's and exact mode's steps come from the CPU sweep (``benchmarks/results/sweep_cpu.json``), upstream's
+``reuse_grad_buffers=True`` and in-place mode's from the latest sweep of the report's models
+(``sweep_cpu_report_models.json``), the transformer's rows from the main job (``local_accumulation.json``).
+``tests/test_readme_figures.py`` checks that README.md holds this table as generated.
+
+Run ``python -m benchmarks.readme_figures`` to print it.
+"""
+import json
+import os
+from typing import Dict, Tuple
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+MODELS = (("resnet152", "ResNet-152"), ("convnext-large", "ConvNeXt-Large"))
+COLUMNS = ("upstream", "exact", "upstream_reuse", "inplace")
+SOURCES = {"upstream": "sweep_cpu.json", "exact": "sweep_cpu.json", "upstream_reuse": "sweep_cpu_report_models.json",
+           "inplace": "sweep_cpu_report_models.json"}
+
+
+def _load(name: str) -> dict:
+    with open(os.path.join(RESULTS, name)) as file:
+        return json.load(file)
+
+
+def sweep_steps() -> Dict[Tuple[str, str], dict]:
+    """(model, implementation) -> that sweep row, each implementation from the file :data:`SOURCES` names"""
+    rows = {}
+    for impl, name in SOURCES.items():
+        for row in _load(name)["rows"]:
+            if row["impl"] == impl:
+                rows[row["model"], impl] = row
+    return rows
+
+
+def in_place_steps_ms() -> list:
+    """every committed fp32 median of in-place mode's no-sync step, in ms (both sweeps and the main job)"""
+    steps = [row["no_sync_step_ms"] for name in set(SOURCES.values()) for row in _load(name)["rows"]
+             if row["impl"] == "inplace"]
+    return steps + [work["no_sync_step_ms"] for work in _load("local_accumulation.json")["work"]
+                    if work["mode"] == "inplace"]
+
+
+def readme_table() -> str:
+    """the markdown table, with a header row"""
+    lines = ["| setting | upstream | exact | upstream `reuse_grad_buffers=True` | in place |", "|---|---|---|---|---|"]
+    rows = sweep_steps()
+    for model, title in MODELS:
+        first = rows[model, "upstream"]
+        cells = [f"{rows[model, impl]['no_sync_step_ms']:.{1 if impl in ('upstream', 'exact') else 2}f}"
+                 for impl in COLUMNS]
+        lines.append(f"| CPU, {title} ({first['params_m']:.0f} M parameters, {first['tensors']} tensors), fp32, ms | "
+                     + " | ".join(cells) + " |")
+    work = {entry["mode"]: entry for entry in _load("local_accumulation.json")["work"]}
+    title = f"CPU, transformer ({work['exact']['params'] / 1e6:.0f} M parameters, {work['exact']['tensors']} tensors)"
+    lines.append(f"| {title}, fp32, ms | " + " | ".join(f"{work[impl]['no_sync_step_ms']:.2f}" for impl in COLUMNS)
+                 + " |")
+    lines.append(f"| {title}, tensor operations | " + " | ".join(str(work[impl]["step_ops"]) for impl in COLUMNS)
+                 + " |")
+    lines.append("| GPU, the hivemind#566 setting | not yet measured | | | |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(readme_table())
+    steps = in_place_steps_ms()
+    print(f"\nin-place no-sync step, every committed fp32 median: {min(steps):.2f}-{max(steps):.2f} ms")
