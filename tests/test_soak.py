@@ -39,7 +39,8 @@ over different subsets of the group. The scenario therefore kills between rounds
 all-reduce intact, waits before training until every initial peer's tracker sees all the others (a peer that believes
 it is alone cancels a round its group counts on), and sets ``next_chunk_timeout`` to ``SENDER_TIMEOUT`` (members are
 often an epoch apart: matchmaking does not look at epochs). The ``sender`` failure mode (the peer's gradient
-compression raises, so it cannot send its parts) shows the mixtures, as an expected failure.
+compression raises, so it cannot send its parts) shows the mixtures where the sender was matched into a group, as an
+expected failure.
 
 If the swarm gets stuck, every live peer's Python processes print their stacks (faulthandler) before the test fails.
 """
@@ -577,8 +578,11 @@ def test_soak_updates_match_group_mean_or_local_gradients():
 
 @pytest.mark.forked
 @pytest.mark.timeout(240)
+# not strict: a mixture needs the failing sender matched into a group with others, which matchmaking's timing decides
+# (a loaded run of the full suite checked 6 sender-failure transitions and found none); every other check still fails
+# the test
 @pytest.mark.xfail(
-    raises=UpdateMismatch, strict=True,
+    raises=UpdateMismatch, strict=False,
     reason="hivemind's all-reduce keeps local values for the parts a failed sender/reducer was in charge of and "
     "reports success: updates are per-part mixtures of means over different subsets of the group",
 )
