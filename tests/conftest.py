@@ -1,4 +1,5 @@
 import contextlib
+import gc
 import os
 import pickle
 import random
@@ -21,6 +22,21 @@ from torch import nn  # noqa: E402
 # on forked tests only, in modules that import torch (the condition is evaluated in the test module's namespace).
 NEEDS_CUDA = pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
+
+
+@contextlib.contextmanager
+def without_cyclic_gc() -> Iterator[None]:
+    """collects garbage first, then keeps the cyclic collector off inside: what a measured step reads on the host is
+    its own, not that of an object the collector frees during it (hivemind's StepControl.__del__ reads its shared
+    state with ``.item()``)"""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @pytest.fixture(autouse=True)

@@ -20,6 +20,7 @@ from hivemind_accum import GradientAverager
 from hivemind_accum.optim import grad_buckets, torch_internals
 from tests.conftest import (
     DEVICES, NEEDS_CUDA, SINGLE_PEER_TRACKER, MixedNet, mixed_batch, receive_by_value, send_by_value, swarm,
+    without_cyclic_gc,
 )
 from tests.test_grad_scaler import BATCH, EPOCHS, LR, MICRO_STEPS, SCALE, make_model
 
@@ -238,7 +239,7 @@ def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivem
             if unscale:  # before clipping, say
                 scaler.unscale_(opt)
             epoch = opt.local_epoch
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with without_cyclic_gc(), profile(activities=[ProfilerActivity.CPU]) as prof:
                 if scaler_kind == "torch_disabled":
                     opt.step(grad_scaler=scaler)
                 else:

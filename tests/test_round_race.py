@@ -6,7 +6,8 @@ the state averager's thread) can wait for E's all-reduce, which holds the averag
 thread waits for it only ``allreduce_timeout`` and begins round E + 1. The race is built here by construction: E's
 fallback (``_load_local_gradients_into_optimizer``) and E + 1's load (``get_tensors``) are gated per thread on events,
 so each order in which they run happens in every run. The probe's gradient at micro-step
-``j`` is the one-hot ``e_j``, so each optimizer step's gradient names the micro-steps it used.
+``j`` is the one-hot ``e_j``, so each optimizer step's gradient names the micro-steps it used. A cancelled round must
+read as cancelled when the averager's process learns of it, or that process runs its all-reduce anyway.
 """
 import contextlib
 import threading
@@ -173,3 +174,28 @@ def test_fallback_after_two_later_rounds_skips_its_step(dht):
         assert opt.grad_averager.local_fallback.host_bytes == 2 * 3 * WINDOW * 4
     finally:
         opt.shutdown()
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("implementation", [
+    "hivemind_accum",
+    pytest.param("upstream", marks=pytest.mark.xfail(strict=True, reason="hivemind 1.1.12 signals before it marks")),
+])
+def test_cancelled_round_reads_as_cancelled_when_the_averager_is_signalled(dht, implementation):
+    """a pre-scheduled round that the optimizer cancels ("no other peers"): when the averager's process receives the
+    cancelled trigger or the cancel signal, the round must already read as cancelled, or that process, which checks
+    it once before the all-reduce and counts a cancelled trigger as a trigger, runs the abandoned round"""
+    from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAverager
+
+    averager_cls = hivemind_accum.GradientAverager if implementation == "hivemind_accum" else UpstreamGradientAverager
+    averager = averager_cls([torch.zeros(3, requires_grad=True)], dht=dht, prefix="cancel", start=True)
+    try:
+        control = averager.schedule_step(timeout=60)  # looking for a group, alone: it stays pending
+        seen = []
+        for future, name in ((control._trigger, "cancel"), (control._cancel, "set_result")):
+            original = getattr(future, name)
+            setattr(future, name, lambda *args, original=original: (seen.append(control.cancelled()), original(*args))[1])
+        assert control.cancel() and control.cancelled()
+        assert seen == [True, True]
+    finally:
+        averager.shutdown()

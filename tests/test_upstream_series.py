@@ -35,6 +35,7 @@ PATCH_CHECKS = {
     "__del__": ["failed_constructor"],
     "ValueError, not AssertionError": ["client_mode_with_auxiliary"],
     "GradScaler: make update()": ["disabled_grad_scaler"],
+    "StepControl: mark a round cancelled": ["cancel_order"],
     "Accumulate gradients in flat buffers": ["exact_mode", "in_place_mode", "no_sync_accumulation", "no_sync_step"],
     "ProgressTracker": ["progress_record"],
     "Loss scaling": ["scaled_micro_steps"],
@@ -43,6 +44,7 @@ PATCH_CHECKS = {
     "clear errors for bad arguments": ["constructor_checks"],
 }
 SERIES_LENGTH = len(FIXES) + len(CHANGES)  # defect fixes, then one commit per change
+SERIES_FOLDERS = ("optim", "averaging")  # of the hivemind package, the only ones the series changes
 
 
 def _files(root: Path) -> set:
@@ -208,15 +210,16 @@ def test_each_patch_in_order_passes_its_own_checks(series, patches, tmp_path):
     for number, patch in enumerate(patches, start=1):
         root = tmp_path / f"after-{number:02d}"
         _pristine_copy(root)
-        if previous is not None:  # the tree after the previous patch: its optim/ (the only folder the series changes)
-            shutil.rmtree(root / "hivemind" / "optim")
-            shutil.copytree(previous / "hivemind" / "optim", root / "hivemind" / "optim")
+        if previous is not None:  # the tree after the previous patch: the folders the series changes
+            for folder in SERIES_FOLDERS:
+                shutil.rmtree(root / "hivemind" / folder)
+                shutil.copytree(previous / "hivemind" / folder, root / "hivemind" / folder)
         _apply(patch, root)
         previous = root
         text = patch.read_text()
         paths = re.findall(r"^diff --git a/hivemind/(\S+) ", text, re.MULTILINE)
         subject = re.search(r"^Subject: \[PATCH \d+/\d+\] (.*)$", text, re.MULTILINE).group(1)
-        assert paths and all(path.startswith("optim/") for path in paths), paths
+        assert paths and all(path.split("/")[0] in SERIES_FOLDERS for path in paths), paths
         own = _claims(subject)
         assert own, f"patch {number} ({subject}) has no check"
         claimed += [name for name in own if name not in claimed]
@@ -298,6 +301,10 @@ def _claim_disabled_grad_scaler(patched):
     assert patched["disabled_scaler_update"] is False
 
 
+def _claim_cancel_order(patched):
+    assert patched["cancelled_when_signalled"] == [True, True]
+
+
 def _claim_constructor_checks(patched):
     assert patched["constructor_checks"] == dict(zero_batch_size="ValueError", duplicate_parameter="ValueError")
 
@@ -309,7 +316,7 @@ CLAIMS = {
     "failed_constructor": _claim_failed_constructor, "client_mode_with_auxiliary": _claim_client_mode_with_auxiliary,
     "disabled_grad_scaler": _claim_disabled_grad_scaler, "constructor_checks": _claim_constructor_checks,
     "scaled_micro_steps": _claim_scaled_micro_steps, "nonfinite_round": _claim_nonfinite_round,
-    "progress_record": _claim_progress_record,
+    "progress_record": _claim_progress_record, "cancel_order": _claim_cancel_order,
 }
 
 
@@ -317,7 +324,7 @@ def test_defects_are_fixed_at_their_place(behaviour):
     patched, upstream = behaviour["patched"], behaviour["upstream"]
     for claim in (
         _claim_client_mode, _claim_failed_constructor, _claim_client_mode_with_auxiliary, _claim_disabled_grad_scaler,
-        _claim_constructor_checks,
+        _claim_constructor_checks, _claim_cancel_order,
     ):
         claim(patched)
     # hivemind 1.1.12: an explicit client_mode replaced by the DHT's (so client_mode with auxiliary passes unseen),
@@ -326,6 +333,7 @@ def test_defects_are_fixed_at_their_place(behaviour):
     assert any("_parent_pid" in error for error in upstream["unraisable_after_failed_constructor"])
     assert "_per_optimizer_states" in upstream["disabled_scaler_update"]
     assert upstream["constructor_checks"]["zero_batch_size"] is None  # upstream fails at the first step()
+    assert upstream["cancelled_when_signalled"] == [False, False]  # the averager may still run the round
 
 
 def test_exact_mode_equals_upstream(behaviour):

@@ -286,6 +286,23 @@ def disabled_grad_scaler(dht) -> dict:
         return dict(disabled_scaler_update=repr(e))
 
 
+def cancel_order(dht) -> dict:
+    """whether a cancelled StepControl reads as cancelled when the averager's process receives each cancel signal"""
+    from hivemind.averaging.control import StepControl
+    from hivemind.utils import MPFuture, get_dht_time
+
+    control = StepControl(scheduled_time=get_dht_time(), deadline=float("inf"), allow_retries=False, weight=1.0,
+                          data_for_gather=b"")
+    trigger, cancel = MPFuture(), MPFuture()
+    control.attach(trigger, cancel)
+    seen = []
+    for future, name in ((trigger, "cancel"), (cancel, "set_result")):
+        original = getattr(future, name)
+        setattr(future, name, lambda *args, original=original: (seen.append(control.cancelled()), original(*args))[1])
+    control.cancel()
+    return dict(cancelled_when_signalled=seen)
+
+
 def imports(dht) -> dict:
     """each module of ``hivemind.optim`` that the series adds or changes, if present: its file, or the error that
     importing it raised (a series' first patches add modules that nothing imports yet)"""
@@ -309,7 +326,7 @@ CHECKS = {
     for check in (
         exact_mode, in_place_mode, no_sync_accumulation, no_sync_step, failed_round, client_mode, failed_constructor,
         client_mode_with_auxiliary, disabled_grad_scaler, constructor_checks, scaled_micro_steps, nonfinite_round,
-        progress_record, imports,
+        progress_record, cancel_order, imports,
     )
 }
 

@@ -12,6 +12,7 @@ How a gradient travels, in three files:
    ``1 / micro_steps``, into the averager's shared CPU buffers in one bulk op per bucket; upstream's
    :class:`hivemind.averaging.DecentralizedAverager` all-reduces those buffers with peers.
 """
+import inspect
 import numbers
 import warnings
 from typing import ContextManager, Iterable, Iterator, Optional, Sequence
@@ -271,6 +272,10 @@ class GradientAverager(upstream.GradientAverager):
     def schedule_step(self, scheduled_time: Optional[float] = None, **kwargs) -> StepControl:
         """as upstream's ``schedule_step``; raises a clear ``RuntimeError`` if the averager is not running"""
         self._check_running("schedule_step")
+        if _CANCEL_SIGNALS_FIRST:
+            control = super().schedule_step(scheduled_time, **kwargs)
+            control.__class__ = _StateFirstStepControl  # a subclass: no reference cycle, freed as hivemind's is
+            return control
         return super().schedule_step(scheduled_time, **kwargs)
 
     def _check_running(self, method: str) -> None:
@@ -359,6 +364,24 @@ class GradientAverager(upstream.GradientAverager):
     def _averaged_target(self, averaged_grads: Sequence[torch.Tensor]):
         """the averager's buffers as a copy destination: flat buckets when this averager made them, else the list"""
         return self._averaged_buckets if self._averaged_buckets is not None else averaged_grads
+
+
+# hivemind 1.1.12's StepControl.cancel signals the averager's process, then marks the round cancelled
+_CANCEL_SIGNALS_FIRST = inspect.getsource(StepControl.cancel).rstrip().endswith("return super().cancel()")
+
+
+class _StateFirstStepControl(StepControl):
+    """``StepControl`` whose ``cancel()`` marks the round cancelled before it signals the averager's process:
+    hivemind's signals first, so that process may read ``cancelled()`` as False, take the cancelled trigger for a
+    trigger and run the all-reduce of a round this peer abandoned"""
+
+    def cancel(self) -> bool:
+        cancelled = super(StepControl, self).cancel()
+        if self._trigger is not None:
+            self._trigger.cancel()
+        if self._cancel is not None:
+            self._cancel.set_result(None)
+        return cancelled
 
 
 def is_positive_int(value) -> bool:

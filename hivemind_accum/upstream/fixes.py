@@ -91,6 +91,43 @@ FIXES: Sequence[Fix] = (
             "only when enabled. torch's own update() returns early when disabled; so does this one now."
         ),
     ),
+    Fix(
+        path="averaging/control.py",
+        module="grad_averager",
+        old=(
+            "    def cancel(self) -> bool:\n"
+            "        if self._trigger is not None:\n"
+            "            self._trigger.cancel()\n"
+            "        if self._cancel is not None:\n"
+            "            self._cancel.set_result(None)\n"
+            "        return super().cancel()\n"
+        ),
+        new=(
+            "    def cancel(self) -> bool:\n"
+            "        cancelled = super().cancel()  # first: the averager reads cancelled() when the signals below arrive\n"
+            "        if self._trigger is not None:\n"
+            "            self._trigger.cancel()\n"
+            "        if self._cancel is not None:\n"
+            "            self._cancel.set_result(None)\n"
+            "        return cancelled\n"
+        ),
+        subject="StepControl: mark a round cancelled before signalling the averager",
+        why=(
+            "StepControl.cancel() cancels the trigger and sets the cancel future, then marks the step cancelled. The "
+            "averager's process wakes on either signal and checks step.cancelled() once before the all-reduce, "
+            "which can still read False; a cancelled trigger counts as triggered, so the round the peer abandoned "
+            "(Optimizer: 'Skipping pre-scheduled averaging round: there are no other peers') runs its all-reduce "
+            "anyway, fails at `InvalidStateError: Can't set_result to a future that is CANCELLED`, and leaves the "
+            "group's average in the buffer that already holds the peer's next gradients. The step is now marked "
+            "cancelled first."
+        ),
+        omit=(
+            "_StateFirstStepControl",
+            "if _CANCEL_SIGNALS_FIRST:",
+            '_CANCEL_SIGNALS_FIRST = inspect.getsource(StepControl.cancel).rstrip().endswith("return super().cancel()")',
+            "import inspect",
+        ),
+    ),
 )
 
 
@@ -136,9 +173,10 @@ def omit_items(ours: str, items: Sequence[Tuple[str, str]], name: str) -> str:
 
 
 def _find(tree: ast.Module, item: str) -> Optional[ast.AST]:
-    if item.replace(".", "").replace("_", "").isalnum():  # Class.method, Class.method.__doc__ or a function
+    if item.replace(".", "").replace("_", "").isalnum():  # Class.method, Class.method.__doc__, a function or class
         if "." not in item:
-            return next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == item), None)
+            top_level = (ast.FunctionDef, ast.ClassDef)
+            return next((n for n in tree.body if isinstance(n, top_level) and n.name == item), None)
         class_name, method, *doc = item.split(".")
         for node in tree.body:
             if isinstance(node, ast.ClassDef) and node.name == class_name:
