@@ -91,7 +91,7 @@ def test_round_guard_zeros_own_values_and_restores_them_after_a_nonfinite_result
     guard = RoundGuard("values")
     own = [torch.tensor([1.0, float("nan")]), torch.tensor([2.0])]
     guard.snapshot_(own)
-    assert not guard.offer_(own) and not guard.own_finite and not guard.round_usable
+    assert not guard.offer_(own, round_key="E") and not guard.own_finite
     assert all(torch.equal(tensor, torch.zeros_like(tensor)) for tensor in own)  # sent as zeros (with weight 0)
     own[0].fill_(5.0)  # a finite average from the others is accepted
     assert guard.accept_(own) and torch.equal(own[0], torch.full((2,), 5.0))
@@ -99,7 +99,8 @@ def test_round_guard_zeros_own_values_and_restores_them_after_a_nonfinite_result
     assert not guard.accept_(own)
     torch.testing.assert_close(own[0], torch.tensor([1.0, float("nan")]), equal_nan=True)
     torch.testing.assert_close(own[1], torch.tensor([2.0]))
-    assert guard.offer_([torch.ones(2)]) and guard.own_finite and guard.round_usable
+    assert guard.offer_([torch.ones(2)], round_key="E + 1") and guard.own_finite
+    assert not guard.own_finite_in("E") and guard.own_finite_in("E + 1")  # each round's own record
 
 
 @pytest.mark.forked

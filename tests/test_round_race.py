@@ -45,11 +45,11 @@ class Gates:
         self._gates[thread, name] = arrived, go
 
 
-def _micro_step(opt, probe, j: int) -> None:
-    """micro-step ``j``: its gradient is the one-hot e_j"""
+def _micro_step(opt, probe, j: int, factor: float = 1.0) -> None:
+    """micro-step ``j``: its gradient is the one-hot e_j (times ``factor``: NaN makes the micro-step non-finite)"""
     if not opt.grad_averager.reuse_grad_buffers:
         probe.grad = None
-    probe[j].backward()
+    (probe[j] * factor).backward()
     opt.grad_averager.accumulate_grads_(batch_size=1)
 
 
@@ -137,6 +137,43 @@ def test_late_fallback_uses_its_own_round(dht, reuse_grad_buffers, order):
         steps = f"micro-steps used by E's step {used[0].tolist()}, by E + 1's step {used[1].tolist()}"
         torch.testing.assert_close(used[0], window_e, msg=steps)  # E's step: micro-steps 0, 1, 2 once each
         torch.testing.assert_close(used[1], window_next, msg=steps)  # E + 1's step: micro-steps 3, 4, 5 once each
+    finally:
+        opt.shutdown()
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True])
+@pytest.mark.parametrize("nonfinite", ["this_round", "next_round"])
+def test_late_step_reads_its_own_rounds_finiteness(dht, reuse_grad_buffers, nonfinite):
+    """one of rounds E and E + 1 holds a NaN micro-step; E's fallback and step come after E + 1 began, so E + 1's
+    check of its own gradients ran in between. The NaN round's step is skipped and the other round's step uses
+    exactly its own micro-steps, whichever came last"""
+    probe = torch.nn.Parameter(torch.zeros(2 * WINDOW))
+    opt = _make_optimizer(dht, probe, reuse_grad_buffers)
+    used = []  # the gradient each optimizer step ran with (None: skipped), as multiples of 1 / WINDOW
+    opt.state_averager.optimizer.register_step_pre_hook(
+        lambda optimizer, args, kwargs: used.append(
+            None if optimizer.param_groups[0]["params"][0].grad is None
+            else optimizer.param_groups[0]["params"][0].grad * WINDOW
+        )
+    )
+    nan_step = 1 if nonfinite == "this_round" else WINDOW + 1
+    try:
+        rounds = []
+        for window in range(2):
+            for j in range(window * WINDOW, (window + 1) * WINDOW):
+                _micro_step(opt, probe, j, factor=float("nan") if j == nan_step else 1.0)
+            rounds.append(_begin_round(opt))  # E + 1's own check runs before E's step
+            rounds[-1].cancel()
+        for control in rounds:
+            _fallback_and_step(opt, control)
+        assert len(used) == 2
+        own = [torch.zeros(2 * WINDOW), torch.zeros(2 * WINDOW)]
+        own[0][:WINDOW], own[1][WINDOW:] = 1.0, 1.0
+        skipped, stepped = (0, 1) if nonfinite == "this_round" else (1, 0)
+        assert used[skipped] is None, f"the NaN round's step must be skipped, it used {used[skipped]}"
+        assert used[stepped] is not None, "the finite round's step must not be skipped"
+        torch.testing.assert_close(used[stepped], own[stepped])
     finally:
         opt.shutdown()
 

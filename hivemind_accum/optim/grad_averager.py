@@ -342,7 +342,8 @@ class GradientAverager(upstream.GradientAverager):
                 checksums = self._accumulators.scaled_copy_with_checksums_(target, grad_scale)
             else:
                 self._accumulators.scaled_copy_to_(target, grad_scale)
-            if not self.round_guard.offer_(self.flat_averaged_grads(averaged_grads), checksums):
+            guarded = self.flat_averaged_grads(averaged_grads)
+            if not self.round_guard.offer_(guarded, checksums, round_key=self.local_fallback.named_round):
                 self.local_samples_accumulated = 0  # step() then joins the round with weight 0 (and zeros)
 
     def notify_used_averaged_gradients(self):

@@ -80,6 +80,12 @@ class LocalFallback:
         finally:
             self._thread.round = outer
 
+    @property
+    def named_round(self) -> Optional[Hashable]:
+        """the round :meth:`for_round` names in this thread; None if it names none"""
+        named = getattr(self._thread, "round", None)
+        return named[0] if named is not None else None
+
     def _round(self) -> Optional[Hashable]:
         named = getattr(self._thread, "round", None)
         return named[0] if named is not None else self._latest

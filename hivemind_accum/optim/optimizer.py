@@ -109,7 +109,7 @@ class Optimizer(upstream.Optimizer):
             client_mode=client_mode, auxiliary=auxiliary, **kwargs,
         )
         self._micro_step_scaler = None
-        self._lost_round = threading.local()  # see _round_usable
+        self._step_usable: Optional[bool] = None  # the last round's decision for its optimizer step: _round_usable
         self._host_copy_step = threading.local()  # see _step_with_host_copy
         self._own_found_inf_record = []  # the overflow tensors step() last recorded in the grad scaler
         if self.use_gradient_averaging and self._guards_gradients():
@@ -274,8 +274,8 @@ class Optimizer(upstream.Optimizer):
         """
         if not self._guards_gradients():
             return self._load_gradients_into_optimizer_()
-        guard = self.grad_averager.round_guard
-        if guard.own_finite:
+        usable = self._round_own_finite()
+        if usable:
             with self.grad_averager.get_tensors() as averaged_grads:
                 finite = all_finite(self.grad_averager.flat_averaged_grads(averaged_grads))
             if not finite and self.grad_averager.keep_local_fallback:
@@ -289,8 +289,9 @@ class Optimizer(upstream.Optimizer):
                     f"The averaged gradients of epoch {self.local_epoch}'s round hold inf or NaN and this averager "
                     f"keeps no local gradients to fall back to: this peer skips its optimizer step"
                 )
-                guard.round_usable = False
-        if not guard.round_usable:
+                usable = False
+        self._step_usable = usable
+        if not usable:
             self.grad_averager.discard_nonfinite_round_()  # PowerSGD: its residuals may hold the round's inf/NaN
             return self.grad_averager.notify_used_averaged_gradients()  # the optimizer step will be skipped
         self._load_gradients_into_optimizer_()
@@ -324,13 +325,16 @@ class Optimizer(upstream.Optimizer):
         :class:`~hivemind_accum.optim.round_guard.SkipUnusableSteps`)"""
         logger.log(self.status_loglevel, "Proceeding with local gradients")
         if self._step_with_host_copy():
+            self._step_usable = self._round_own_finite()
             self.grad_averager.notify_used_averaged_gradients()
         elif self.grad_averager.load_accumulators_into_averager_() is False:
-            self._lost_round.skip = True  # a delayed round: its step runs next, in this thread
+            self._step_usable = False
             self.grad_averager.notify_used_averaged_gradients()
-        elif self._guards_gradients() and not self.grad_averager.round_guard.round_usable:
+        elif self._guards_gradients() and not self._round_own_finite():
+            self._step_usable = False
             self.grad_averager.notify_used_averaged_gradients()  # the optimizer step will be skipped
         else:
+            self._step_usable = True
             self._load_gradients_into_optimizer_()  # checked already
 
     def _load_gradients_into_optimizer_(self):
@@ -385,13 +389,19 @@ class Optimizer(upstream.Optimizer):
             param.grad = grad
         self.grad_averager.local_fallback.give_back_(host)
 
+    def _round_own_finite(self) -> bool:
+        """whether this peer's own gradients of the round this thread settles were finite: that round's record, also
+        after later rounds began (``round_guard.own_finite_in``)"""
+        return self.grad_averager.round_guard.own_finite_in(self.grad_averager.local_fallback.named_round)
+
     def _round_usable(self) -> bool:
-        """whether the optimizer step about to run may use its round's gradients: not if this thread's fallback found
-        them kept no longer, nor if the round's gradients held inf or NaN (``round_guard.round_usable``)"""
-        if getattr(self._lost_round, "skip", False):
-            self._lost_round.skip = False
-            return False
-        return self.grad_averager.round_guard.round_usable
+        """whether the optimizer step about to run may use its round's gradients, as that round's load decided: not
+        if its fallback found them kept no longer, nor if they or the round's result held inf or NaN. A step whose
+        round no load of ours decided (hivemind loaded the accumulators itself) uses them if the latest were finite.
+        A round's decision and its step are in order: the state averager runs each step after the one before, and a
+        delayed round's load right before its step, in that thread"""
+        usable, self._step_usable = self._step_usable, None
+        return self.grad_averager.round_guard.own_finite if usable is None else usable
 
     def _on_skipped_step(self) -> None:
         """the optimizer step of an unusable round is about to be skipped: the next state averaging round (which the

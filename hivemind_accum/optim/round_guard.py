@@ -18,11 +18,13 @@ Who calls what:
 - :class:`hivemind_accum.GradientAverager` calls ``offer_`` on the shared buffers it has just loaded, once per round;
   :class:`hivemind_accum.Optimizer` checks the round's averaged gradients with :func:`all_finite` before stepping and,
   if they are not finite, uses the round's own gradients (the averager's failed-round fallback) or skips its step
-  (``SkipUnusableSteps`` on the state averager's torch optimizer reads ``RoundGuard.round_usable``).
+  (``SkipUnusableSteps`` on the state averager's torch optimizer), deciding from
+  ``RoundGuard.own_finite_in(round)``: a round's own record, also when a later round has begun since.
 - :class:`hivemind_accum.optim.state_averager.TrainingStateAverager` calls ``offer_``, ``snapshot_`` and ``accept_``
   around each parameter averaging all-reduce, in the averager's background process.
 """
-from typing import Callable, List, Optional, Sequence, Tuple
+from collections import OrderedDict
+from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.utils import get_logger
@@ -71,13 +73,14 @@ class RoundGuard:
     def __init__(self, what: str):
         self.what = what
         self.own_finite = True  # whether this peer's own values were finite when last offered
-        # whether the round's values may be used (stepped with): own_finite, unless the user of the result (the
-        # optimizer) found the result not finite and nothing to replace it with
-        self.round_usable = True
+        self._own_finite_by_round: "OrderedDict[Hashable, bool]" = OrderedDict()  # the same, for the latest rounds
         self._snapshot: Optional[List[torch.Tensor]] = None
 
+    rounds_kept = 3  # own_finite_in remembers this many rounds
+
     @torch.no_grad()
-    def offer_(self, tensors: Sequence[torch.Tensor], checksums: Optional[torch.Tensor] = None) -> bool:
+    def offer_(self, tensors: Sequence[torch.Tensor], checksums: Optional[torch.Tensor] = None,
+               round_key: Optional[Hashable] = None) -> bool:
         """
         Before a round: check this peer's own values, about to be all-reduced; if any is inf or NaN, set all of them
         to zeros (in place) and log a warning. The caller then joins the round with weight 0: the group's average
@@ -85,9 +88,14 @@ class RoundGuard:
 
         :param tensors: the averager's buffers, already holding this peer's values for the round
         :param checksums: optional sums of ``tensors`` taken as they were written (see :func:`all_finite`)
+        :param round_key: the round the values are offered for (e.g. its control handle), for :meth:`own_finite_in`
         :returns: ``own_finite``: True if the values may be offered with their weight, False if they were zeroed
         """
-        self.own_finite = self.round_usable = all_finite(tensors, checksums)
+        self.own_finite = all_finite(tensors, checksums)
+        if round_key is not None:
+            self._own_finite_by_round[round_key] = self.own_finite
+            while len(self._own_finite_by_round) > self.rounds_kept:
+                self._own_finite_by_round.popitem(last=False)
         if not self.own_finite:
             foreach_zero_([tensor for tensor in tensors if tensor.numel() > 0])
             logger.warning(
@@ -95,6 +103,11 @@ class RoundGuard:
                 f"peers do not receive them"
             )
         return self.own_finite
+
+    def own_finite_in(self, round_key: Optional[Hashable]) -> bool:
+        """whether this peer's own values were finite when offered for the round ``round_key`` (:meth:`offer_`);
+        for a round it does not know (None, or older than the latest ``rounds_kept``), the last offer's"""
+        return self._own_finite_by_round.get(round_key, self.own_finite)
 
     @torch.no_grad()
     def snapshot_(self, tensors: Sequence[torch.Tensor]) -> None:

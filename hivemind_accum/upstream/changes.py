@@ -453,7 +453,8 @@ all-reduce, and a peer downloading the state copied whatever it received.
                 "                checksums = self._accumulators.scaled_copy_with_checksums_(target, grad_scale)\n"
                 "            else:\n"
                 "                self._accumulators.scaled_copy_to_(target, grad_scale)\n"
-                "            if not self.round_guard.offer_(self.flat_averaged_grads(averaged_grads), checksums):\n"
+                "            guarded = self.flat_averaged_grads(averaged_grads)\n"
+                "            if not self.round_guard.offer_(guarded, checksums, round_key=self.local_fallback.named_round):\n"
                 "                self.local_samples_accumulated = 0  # step() then joins the round with weight 0 (and "
                 "zeros)\n",
                 "        with self.get_tensors() as averaged_grads:\n"
@@ -467,7 +468,8 @@ all-reduce, and a peer downloading the state copied whatever it received.
         ),
         "optimizer": (
             "import threading",
-            "self._lost_round = threading.local()  # see _round_usable",
+            "self._step_usable: Optional[bool] = None  # the last round's decision for its optimizer step: _round_usable",
+            "Optimizer._round_own_finite",
             "self._host_copy_step = threading.local()  # see _step_with_host_copy",
             "Optimizer._round_usable",
             "Optimizer._step_with_host_copy",
