@@ -67,6 +67,19 @@ def _begin_round(opt):
     return opt.grad_averager.step(control=opt.grad_averager.schedule_step(), reset_accumulators=True, wait=False)
 
 
+def _record_steps(opt) -> list:
+    """the gradient each optimizer step of ``opt`` runs with (None: skipped), as multiples of 1 / WINDOW, recorded by
+    a step pre-hook that runs after the skip's"""
+    used = []
+
+    def record(optimizer, args, kwargs):
+        grad = optimizer.param_groups[0]["params"][0].grad
+        used.append(None if grad is None else grad * WINDOW)
+
+    opt.state_averager.optimizer.register_step_pre_hook(record)
+    return used
+
+
 def _fallback_and_step(opt, control) -> None:
     """what the state averager's thread runs for a delayed round: the round's trigger, then the optimizer step"""
     opt._average_gradients_and_load_into_optimizer(control)
@@ -81,13 +94,7 @@ def test_late_fallback_uses_its_own_round(dht, reuse_grad_buffers, order):
     Either order in which they then take the lock: E's step uses exactly E's micro-steps, E + 1's step E + 1's"""
     probe = torch.nn.Parameter(torch.zeros(2 * WINDOW))
     opt = _make_optimizer(dht, probe, reuse_grad_buffers)
-    used = []  # the gradient each optimizer step ran with (None: skipped), as multiples of 1 / WINDOW
-    opt.state_averager.optimizer.register_step_pre_hook(
-        lambda optimizer, args, kwargs: used.append(
-            None if optimizer.param_groups[0]["params"][0].grad is None
-            else optimizer.param_groups[0]["params"][0].grad * WINDOW
-        )
-    )
+    used = _record_steps(opt)
     try:
         for j in range(WINDOW):  # window E
             _micro_step(opt, probe, j)
@@ -150,13 +157,7 @@ def test_late_step_reads_its_own_rounds_finiteness(dht, reuse_grad_buffers, nonf
     exactly its own micro-steps, whichever came last"""
     probe = torch.nn.Parameter(torch.zeros(2 * WINDOW))
     opt = _make_optimizer(dht, probe, reuse_grad_buffers)
-    used = []  # the gradient each optimizer step ran with (None: skipped), as multiples of 1 / WINDOW
-    opt.state_averager.optimizer.register_step_pre_hook(
-        lambda optimizer, args, kwargs: used.append(
-            None if optimizer.param_groups[0]["params"][0].grad is None
-            else optimizer.param_groups[0]["params"][0].grad * WINDOW
-        )
-    )
+    used = _record_steps(opt)
     nan_step = 1 if nonfinite == "this_round" else WINDOW + 1
     try:
         rounds = []
@@ -184,13 +185,7 @@ def test_fallback_after_two_later_rounds_skips_its_step(dht):
     are kept), so E's step is skipped rather than run with a later window; E + 1 and E + 2 still use their own"""
     probe = torch.nn.Parameter(torch.zeros(3 * WINDOW))
     opt = _make_optimizer(dht, probe, reuse_grad_buffers=False)
-    used = []
-    opt.state_averager.optimizer.register_step_pre_hook(
-        lambda optimizer, args, kwargs: used.append(
-            None if optimizer.param_groups[0]["params"][0].grad is None
-            else optimizer.param_groups[0]["params"][0].grad * WINDOW
-        )
-    )
+    used = _record_steps(opt)
     try:
         rounds = []
         for window in range(3):
