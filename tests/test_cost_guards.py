@@ -177,3 +177,29 @@ def test_loss_scaled_device_path_allocates_nothing_after_the_first_micro_step():
         assert cost["second"].allocated_bytes == 0, costs
     # zero_ (found_inf), _foreach_copy_ (staging), the fused check and unscale, logical_or, masked_fill_, add_, clamp_
     assert costs[40]["second"].top_level_ops == costs[400]["second"].top_level_ops == 7, costs
+
+
+@pytest.mark.forked
+def test_loss_scaled_micro_step_of_the_averager_allocates_nothing_after_the_first(dht):
+    """GradientAverager.accumulate_grads_ with a loss scale, as on an accelerator (forced on the CPU): from the second
+    micro-step on it allocates nothing (staging buffer, overflow flags and drop counters persist) and runs as many
+    top-level ops for 400 tensors as for 40"""
+    force_loss_scaling_path("device_check")
+    torch_internals.check_torch_internals()  # the first use's checks of torch's private interfaces, not counted here
+    inv_scale = torch.tensor(1 / 1024)
+    costs = {}
+    for num_layers in (20, 200):
+        model = make_model(num_layers)
+        averager = GradientAverager(model.parameters(), dht=dht, prefix="guard", start=False)
+        costs[2 * num_layers] = []
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            (model(torch.randn(2, 8)).square().mean() * 1024).backward()
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, DispatchedOps() as ops:
+                averager.accumulate_grads_(2, inv_grad_scale=inv_scale)
+            allocated = sum(max(e.self_cpu_memory_usage, 0) for e in prof.events())
+            costs[2 * num_layers].append(StepCost(len(ops.ops), allocated, device_to_host_copies=0))
+    for tensors, steps in costs.items():
+        assert steps[1].allocated_bytes == steps[2].allocated_bytes == 0, costs
+    # add_finite_'s 7 (see above), then the drop counters': add_ (samples), add_ (micro-steps), logical_not, add_, addcmul_
+    assert costs[40][2].top_level_ops == costs[400][2].top_level_ops == 12, costs

@@ -109,6 +109,7 @@ class GradientAverager(upstream.GradientAverager):
         # micro-step is dropped, the accumulators are rescaled once at load time, by _anchor_correction)
         self._drop_counters = torch.zeros(3, device=self._accumulators.buckets[0].flat.device)
         self._dropped_samples, self._dropped_micro_steps, self._first_kept_batch_size = self._drop_counters
+        self._first_unset = torch.zeros_like(self._first_kept_batch_size)  # scratch: whether no micro-step was kept
         self._may_have_dropped = False
         self._anchor_correction = 1.0
         self._local_accumulators = self._accumulators.views  # the name hivemind's other classes read
@@ -216,7 +217,8 @@ class GradientAverager(upstream.GradientAverager):
         found_inf = self._accumulators.add_finite_(grads, inv_grad_scale, alpha=alpha)
         self._dropped_samples.add_(found_inf, alpha=batch_size)
         self._dropped_micro_steps.add_(found_inf)
-        self._first_kept_batch_size.add_((self._first_kept_batch_size == 0) * (1 - found_inf), alpha=batch_size)
+        unset = torch.logical_not(self._first_kept_batch_size, out=self._first_unset)  # in place: allocates nothing
+        self._first_kept_batch_size.add_(unset, alpha=batch_size).addcmul_(unset, found_inf, value=-batch_size)
         self._may_have_dropped = True
         return found_inf
 

@@ -255,8 +255,10 @@ accelerator once per micro-batch.
                 "        found_inf = self._accumulators.add_finite_(grads, inv_grad_scale, alpha=alpha)\n"
                 "        self._dropped_samples.add_(found_inf, alpha=batch_size)\n"
                 "        self._dropped_micro_steps.add_(found_inf)\n"
-                "        self._first_kept_batch_size.add_((self._first_kept_batch_size == 0) * (1 - found_inf), "
-                "alpha=batch_size)\n"
+                "        unset = torch.logical_not(self._first_kept_batch_size, out=self._first_unset)  # in place: allocates "
+                "nothing\n"
+                "        self._first_kept_batch_size.add_(unset, alpha=batch_size).addcmul_(unset, found_inf, "
+                "value=-batch_size)\n"
                 "        self._may_have_dropped = True\n"
                 "        return found_inf\n",
                 "        self._accumulators.add_(grads, alpha=alpha)\n",
@@ -273,6 +275,8 @@ accelerator once per micro-batch.
                 "        self._drop_counters = torch.zeros(3, device=self._accumulators.buckets[0].flat.device)\n"
                 "        self._dropped_samples, self._dropped_micro_steps, self._first_kept_batch_size = "
                 "self._drop_counters\n"
+                "        self._first_unset = torch.zeros_like(self._first_kept_batch_size)  # scratch: whether no "
+                "micro-step was kept\n"
                 "        self._may_have_dropped = False\n"
                 "        self._anchor_correction = 1.0\n"
             ),
