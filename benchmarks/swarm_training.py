@@ -12,16 +12,23 @@ swarm; implementations alternate within a seed, so machine load affects both ali
     python -m benchmarks.swarm_training --seeds 5 --no-delay          # delay_grad_averaging=False
     python -m benchmarks.swarm_training --seeds 3 --exact             # reuse_grad_buffers=False
     python -m benchmarks.swarm_training --seeds 2 --instance          # an optimizer instance: not offloaded, no delay
+    python -m benchmarks.swarm_training --seeds 3 --link-mbit 1       # each peer behind a 1 Mbit/s link (root)
+
+With ``--link-mbit`` each peer, and the bootstrap DHT, runs in a network namespace of its own behind a link
+rate-limited both ways (``benchmarks/links.py``, docs/failed-rounds.md).
 
 Writes a JSON with every run (final loss, per-peer round counts: began, averaged, fell back to local gradients,
-state downloads) to ``--output`` and prints the medians.
+state downloads; round durations; the micro-steps no optimizer step used, split into dropped by a state download,
+unfinished and lost) to ``--output`` and prints the medians.
 """
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import pickle
 import random
+import signal
 import statistics
 import sys
 import time
@@ -32,6 +39,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from benchmarks import links
 
 IMPLEMENTATIONS = ("upstream", "hivemind_accum")
 
@@ -60,6 +69,8 @@ class SwarmConfig:
     averaging_timeout: float = 5.0
     max_refresh_period: float = 1.0
     winddown_time: float = 2.0
+    link_mbit: Optional[float] = None  # each peer in a network namespace of its own, its link shaped both ways
+    link_latency_ms: float = links.LATENCY_MS
 
 
 def load_digits_tensors():
@@ -111,7 +122,13 @@ class RoundLog:
     """
     What ``hivemind.Optimizer`` did at this peer's epoch boundaries, recorded by wrapping its bound methods:
     rounds begun (with the weight handed to each), rounds whose result was loaded, fallbacks to local gradients (and
-    why), state downloads, and the time spent in ``_update_global_epoch``.
+    why), state downloads, the time spent in ``_update_global_epoch``, and each round's duration (from its hand-off to
+    its result or fallback being loaded).
+
+    The accumulation window: the micro-steps since the last hand-off (``grad_averager.step``) or reset of the
+    accumulators. ``dropped`` lists the micro-steps in the window when a state download began: hivemind resets the
+    accumulators after the download, and the micro-step that detected it never accumulates. The training loop sets
+    ``micro_step`` to the index of the micro-step it is in.
     """
 
     def __init__(self, opt):
@@ -119,16 +136,31 @@ class RoundLog:
         self.weights: List[int] = []
         self.fallback_reasons: Dict[str, int] = {}
         self.transition_s = 0.0
+        self.round_s: List[float] = []
+        self.micro_step = self.window_start = 0
+        self.dropped: List[int] = []
         self._wrap(opt, "_load_averaged_gradients_into_optimizer_", lambda *_: self._count("averaged"))
         self._wrap(opt, "_load_local_gradients_into_optimizer", lambda *_: self._count("local_fallback"))
-        self._wrap(opt, "load_state_from_peers", lambda *_: self._count("downloads"))
-        self._wrap(opt.grad_averager, "step", lambda *_: (self._count("began"), self.weights.append(
-            opt.grad_averager.local_samples_accumulated)))
-        average, update = opt._average_gradients_and_load_into_optimizer, opt._update_global_epoch
+        self._wrap(opt, "load_state_from_peers", lambda *_: (
+            self._count("downloads"), self.dropped.extend(range(self.window_start, self.micro_step + 1))))
+        self._wrap(opt.grad_averager, "reset_accumulated_grads_", lambda *_: self._new_window())
+        average, update, begin = opt._average_gradients_and_load_into_optimizer, opt._update_global_epoch, \
+            opt.grad_averager.step
+        began_at: Dict[int, float] = {}
+
+        def timed_begin(*args, **kwargs):
+            self._count("began")
+            self.weights.append(opt.grad_averager.local_samples_accumulated)
+            self._new_window()
+            control = begin(*args, **kwargs)
+            began_at[id(control)] = time.perf_counter()
+            return control
 
         def explained_average(control):
             fallbacks = self.counts["local_fallback"]
             result = average(control)
+            if id(control) in began_at:
+                self.round_s.append(time.perf_counter() - began_at.pop(id(control)))
             if self.counts["local_fallback"] > fallbacks:
                 reason = "no round" if control is None else (
                     type(control.exception()).__name__ if control.done() and control.exception() else "not done")
@@ -143,6 +175,10 @@ class RoundLog:
                 self.transition_s += time.perf_counter() - started
 
         opt._average_gradients_and_load_into_optimizer, opt._update_global_epoch = explained_average, timed_update
+        opt.grad_averager.step = timed_begin
+
+    def _new_window(self) -> None:
+        self.window_start = self.micro_step + 1
 
     def _count(self, key: str) -> None:
         self.counts[key] += 1
@@ -158,7 +194,43 @@ class RoundLog:
         setattr(obj, name, wrapped)
 
 
-def run_peer(config: SwarmConfig, index: int, initial_peers, results) -> None:
+def split_unused(uses: List[int], dropped: List[int], final_window_start: int) -> Dict[str, int]:
+    """
+    The micro-steps no optimizer step used (``uses[j] == 0``), by why: dropped by a state download (in ``dropped``),
+    unfinished (from ``final_window_start`` on: accumulated after the peer's last hand-off or reset, never handed to a
+    round), and lost (every other one). The three add up to the number of zeros in ``uses``.
+    """
+    dropped, unused = set(dropped), [j for j, used in enumerate(uses) if used == 0]
+    download = sum(j in dropped for j in unused)
+    unfinished = sum(j not in dropped and j >= final_window_start for j in unused)
+    return dict(download=download, unfinished=unfinished, lost=len(unused) - download - unfinished)
+
+
+def isolate(link: Optional[links.Links], name: str) -> Dict[str, Any]:
+    """
+    Called first in each forked process: a process group of its own, which ``run_swarm`` kills at the end, so no
+    DHT, averager or p2pd process outlives the swarm. In link mode, enter this process's namespace (before hivemind
+    starts a thread or its daemon). Returns the DHT's options: in link mode, listen on the namespace's address only.
+    """
+    os.setpgid(0, 0)
+    if link is None:
+        return {}
+    links.enter_namespace(link.namespace[name])
+    return dict(host_maddrs=[f"/ip4/{link.address[name]}/tcp/0"])
+
+
+def run_bootstrap(link: Optional[links.Links], maddrs, stop) -> None:
+    options = isolate(link, "bootstrap")
+    import hivemind
+
+    dht = hivemind.DHT(start=True, **options)
+    maddrs.put([str(maddr) for maddr in dht.get_visible_maddrs()])
+    stop.wait()
+    dht.shutdown()
+
+
+def run_peer(config: SwarmConfig, index: int, initial_peers, results, link: Optional[links.Links] = None) -> None:
+    options = isolate(link, f"peer{index}")
     import hivemind
 
     if config.implementation == "hivemind_accum":
@@ -174,7 +246,7 @@ def run_peer(config: SwarmConfig, index: int, initial_peers, results) -> None:
     model = make_model(config.seed)
     probe = Probe(config.num_peers)
     generator = torch.Generator().manual_seed(config.seed * 1000 + index)
-    dht = hivemind.DHT(initial_peers=initial_peers, client_mode=client_mode, start=True)
+    dht = hivemind.DHT(initial_peers=initial_peers, client_mode=client_mode, start=True, **options)
     params = [*model.parameters(), probe.weight]
     scheduler = partial(torch.optim.lr_scheduler.StepLR, gamma=config.lr_gamma, step_size=config.lr_step_size)
     if config.optimizer_instance:  # hivemind's most common setup; it admits no offload and no delayed step
@@ -195,6 +267,7 @@ def run_peer(config: SwarmConfig, index: int, initial_peers, results) -> None:
     micro_steps, started = 0, time.perf_counter()
     prev_time = time.perf_counter()
     while opt.local_epoch < config.epochs:
+        log.micro_step = micro_steps
         time.sleep(max(0.0, prev_time + rng.gauss(batch_time, config.batch_time_std) - time.perf_counter()))
         batch = torch.randint(0, len(features), (batch_size,), generator=generator)
         (F.cross_entropy(model(features[batch]), targets[batch]) + probe(index, micro_steps)).backward()
@@ -203,7 +276,7 @@ def run_peer(config: SwarmConfig, index: int, initial_peers, results) -> None:
             opt.zero_grad()
         micro_steps += 1
         prev_time = time.perf_counter()
-    seconds = time.perf_counter() - started
+    seconds, final_window_start = time.perf_counter() - started, log.window_start
     time.sleep(config.winddown_time)
     opt.state_averager.step(wait_for_delayed_updates=True)
     with torch.no_grad():
@@ -213,6 +286,8 @@ def run_peer(config: SwarmConfig, index: int, initial_peers, results) -> None:
     uses = (own != 0).sum(0)  # per micro-step: in how many optimizer steps of this peer it was used
     report = dict(
         used=[int((uses == k).sum()) for k in range(4)], optimizer_steps=len(probe_steps),
+        unused=split_unused(uses.tolist(), log.dropped, final_window_start), dropped_by_download=log.dropped,
+        final_window_start=final_window_start, round_s=log.round_s,
         index=index, batch_size=batch_size, client_mode=client_mode, micro_steps=micro_steps, seconds=seconds,
         epoch=opt.local_epoch, loss=loss, finite=finite, weights=log.weights, transition_s=log.transition_s, fallback_reasons=log.fallback_reasons,
         **log.counts,
@@ -222,38 +297,49 @@ def run_peer(config: SwarmConfig, index: int, initial_peers, results) -> None:
     dht.shutdown()
 
 
-def run_swarm(config: SwarmConfig, timeout: float = 300.0) -> Dict[str, Any]:
-    import hivemind
+def kill_group(process) -> None:
+    """kill a forked process and every process it started (its group, see ``isolate``)"""
+    if process.is_alive():
+        process.kill()
+    if process.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
 
+
+def run_swarm(config: SwarmConfig, timeout: float = 300.0) -> Dict[str, Any]:
+    names = ["bootstrap", *(f"peer{index}" for index in range(config.num_peers))]
+    link = None if config.link_mbit is None else links.Links(names, config.link_mbit, config.link_latency_ms)
     ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    bootstrap = hivemind.DHT(start=True)
-    peers = [
-        ctx.Process(target=run_peer, args=(config, index, bootstrap.get_visible_maddrs(), results), daemon=False)
-        for index in range(config.num_peers)
-    ]
+    results, maddrs, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    bootstrap = ctx.Process(target=run_bootstrap, args=(link, maddrs, stop))
+    peers = []
     reports = []
-    try:
-        for peer in peers:
-            peer.start()
-        deadline = time.monotonic() + timeout
-        while len(reports) < len(peers) and time.monotonic() < deadline:
-            try:
-                reports.append(pickle.loads(results.get(timeout=5)))
-            except Exception:
-                if not any(peer.is_alive() for peer in peers):
-                    break
-        for peer in peers:
-            peer.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for peer in peers:
-            if peer.is_alive():
-                peer.kill()
-        bootstrap.shutdown()
+    with link or contextlib.nullcontext():
+        try:
+            bootstrap.start()
+            initial_peers = maddrs.get(timeout=60)
+            peers = [ctx.Process(target=run_peer, args=(config, index, initial_peers, results, link))
+                     for index in range(config.num_peers)]
+            for peer in peers:
+                peer.start()
+            deadline = time.monotonic() + timeout
+            while len(reports) < len(peers) and time.monotonic() < deadline:
+                try:
+                    reports.append(pickle.loads(results.get(timeout=5)))
+                except Exception:
+                    if not any(peer.is_alive() for peer in peers):
+                        break
+            for peer in peers:
+                peer.join(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            stop.set()
+            bootstrap.join(timeout=10)
+            for process in [*peers, bootstrap]:
+                kill_group(process)
     reports.sort(key=lambda report: report["index"])
     main = next((report for report in reports if report["index"] == 0), None)
     return dict(
-        config=asdict(config), peers=reports, complete=len(reports) == config.num_peers,
+        config=asdict(config), link=link and link.settings(), peers=reports, complete=len(reports) == config.num_peers,
         exit_codes=[peer.exitcode for peer in peers], loss=main["loss"] if main else None,
     )
 
@@ -268,6 +354,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="an optimizer instance (not offloaded, no delayed step or averaging)")
     parser.add_argument("--epochs", type=int, default=SwarmConfig.epochs)
     parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
+    parser.add_argument("--link-mbit", type=float, default=None,
+                        help="each peer in a network namespace of its own, its link limited to this rate both ways "
+                             "(tc tbf; needs root and iproute2)")
     parser.add_argument("--output", default=None, help="JSON path (default: a file in the temporary directory)")
     return parser.parse_args(argv)
 
@@ -275,18 +364,22 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def summarize(runs: List[Dict[str, Any]], implementations) -> str:
     """one line per implementation: median final loss, then what the swarm's rounds and optimizer steps did"""
     lines = ["implementation   median loss  losses by seed                  micro-steps used 0/1/2 times  "
-             "rounds began  local fallbacks  state downloads"]
+             "unused: download/unfinished/lost  rounds began  local fallbacks  state downloads  median round s"]
     for implementation in implementations:
         mine = [run for run in runs if run["config"]["implementation"] == implementation and run["loss"] is not None]
         if not mine:
             continue
         peers = [peer for run in mine for peer in run["peers"]]
         used = "/".join(str(sum(peer["used"][k] for peer in peers)) for k in range(3))
+        unused = "/".join(str(sum(peer["unused"][why] for peer in peers)) for why in ("download", "unfinished", "lost"))
+        round_s = [seconds for peer in peers for seconds in peer["round_s"]]
+        round_s = f"{statistics.median(round_s):14.2f}" if round_s else f"{'-':>14s}"
         losses = ", ".join(f"{run['loss']:.3f}" for run in mine)
         lines.append(
             f"{implementation:16s} {statistics.median(run['loss'] for run in mine):11.3f}  {losses:30s}  {used:28s}  "
+            f"{unused:32s}  "
             f"{sum(peer['began'] for peer in peers):12d}  {sum(peer['local_fallback'] for peer in peers):15d}  "
-            f"{sum(peer['downloads'] for peer in peers):15d}"
+            f"{sum(peer['downloads'] for peer in peers):15d}  {round_s}"
         )
     return "\n".join(lines)
 
@@ -294,12 +387,15 @@ def summarize(runs: List[Dict[str, Any]], implementations) -> str:
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     base = SwarmConfig(epochs=args.epochs, delay_grad_averaging=not args.no_delay, reuse_grad_buffers=not args.exact,
-                       optimizer_instance=args.instance)
+                       optimizer_instance=args.instance, link_mbit=args.link_mbit)
     runs = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for implementation in args.implementations:
             started = time.perf_counter()
-            run = run_swarm(replace(base, seed=seed, implementation=implementation))
+            try:
+                run = run_swarm(replace(base, seed=seed, implementation=implementation))
+            except links.LinksUnavailable as error:
+                sys.exit(f"--link-mbit: {error}")
             run["wall_s"] = time.perf_counter() - started
             runs.append(run)
             loss = f"{run['loss']:.3f}" if run["loss"] is not None else "none (the main peer did not report)"

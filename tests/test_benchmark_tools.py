@@ -2,7 +2,8 @@
 The GPU run's bookkeeping, checked on the CPU: the sweep records a failing worker and goes on, writes its results
 after every worker, and the benchmark targets replay a saved sweep without measuring anew (fake workers); the kernel
 launch counts the CUDA targets are computed from (hand-computed cases, and the op count of exact mode's step); the
-main job's claims on synthetic rows (load, and reasons that agree with their numbers); the memory table's counts.
+main job's claims on synthetic rows (load, and reasons that agree with their numbers); the memory table's counts;
+the swarm benchmark's split of unused micro-steps and its tbf arguments.
 """
 import json
 import os
@@ -187,3 +188,16 @@ def test_memory_table_counts_each_buffer_once(dht, label, dtype, expected):
     held = memory_table.measure(dht, *configuration, dtype)
     # in place keeps three float32 drop counters besides the views: 12 bytes over the MLP's 10 384 elements
     assert tuple(round(held[group], 2) for group in (".grad", "accumulators", "shared")) == expected, held
+
+
+def test_swarm_training_splits_unused_micro_steps_by_why():
+    from benchmarks.swarm_training import split_unused
+    from benchmarks.links import burst_bytes, tbf_args
+
+    # micro-steps 0-9: 2-3 dropped by a download (2 unused, 3 used), 7-9 unfinished, 5 lost, 8 used
+    uses = [1, 1, 0, 1, 1, 0, 2, 0, 1, 0]
+    assert split_unused(uses, dropped=[2, 3], final_window_start=7) == dict(download=1, unfinished=2, lost=1)
+    assert split_unused(uses, dropped=[], final_window_start=10) == dict(download=0, unfinished=0, lost=4)
+    assert split_unused([0, 0], dropped=[0, 1], final_window_start=0) == dict(download=2, unfinished=0, lost=0)
+    assert tbf_args(1) == ["tbf", "rate", "1000kbit", "burst", "4096", "latency", "100ms"]
+    assert burst_bytes(100) == 125000
