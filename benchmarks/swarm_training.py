@@ -353,6 +353,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--instance", action="store_true",
                         help="an optimizer instance (not offloaded, no delayed step or averaging)")
     parser.add_argument("--epochs", type=int, default=SwarmConfig.epochs)
+    parser.add_argument("--averaging-timeout", type=float, default=SwarmConfig.averaging_timeout,
+                        help="hivemind.Optimizer's averaging_timeout, seconds")
     parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
     parser.add_argument("--link-mbit", type=float, default=None,
                         help="each peer in a network namespace of its own, its link limited to this rate both ways "
@@ -387,7 +389,8 @@ def summarize(runs: List[Dict[str, Any]], implementations) -> str:
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     base = SwarmConfig(epochs=args.epochs, delay_grad_averaging=not args.no_delay, reuse_grad_buffers=not args.exact,
-                       optimizer_instance=args.instance, link_mbit=args.link_mbit)
+                       optimizer_instance=args.instance, link_mbit=args.link_mbit,
+                       averaging_timeout=args.averaging_timeout)
     runs = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for implementation in args.implementations:

@@ -201,3 +201,18 @@ def test_swarm_training_splits_unused_micro_steps_by_why():
     assert split_unused([0, 0], dropped=[0, 1], final_window_start=0) == dict(download=2, unfinished=0, lost=0)
     assert tbf_args(1) == ["tbf", "rate", "1000kbit", "burst", "4096", "latency", "100ms"]
     assert burst_bytes(100) == 125000
+
+
+def test_swarm_accounting_tallies_every_peer():
+    from benchmarks.swarm_accounting import table, tally
+
+    def peer(used, download, lost):
+        return dict(used=used, unused=dict(download=download, unfinished=0, lost=lost))
+
+    runs = [dict(complete=True, peers=[peer([3, 10, 1, 0], 2, 1), peer([0, 8, 0, 1], 0, 0)]),
+            dict(complete=False, peers=[peer([1, 5, 0, 0], 1, 0)])]
+    counts = tally(runs)
+    assert counts == dict(used_0=4, used_1=23, used_2=1, used_more=1, download=3, unfinished=0, lost=1,
+                          incomplete_runs=1)
+    row = table([dict(setting="(a) defaults", delay=True, implementation="ours", counts=counts)]).splitlines()[-1]
+    assert row == "| (a) defaults | yes | ours | 4 / 23 / 1 | 3 / 0 / 1 | 2 |"
