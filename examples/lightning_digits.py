@@ -99,7 +99,7 @@ def make_callbacks(num_peers: int, rounds: int, peer_timeout: float = 60.0) -> l
             if self.waited or num_peers < 2:
                 return
             self.waited = True
-            tracker = trainer.strategy._opt.tracker  # the hivemind.Optimizer's, built at the first batch
+            tracker = trainer.optimizers[0].tracker  # the hivemind.Optimizer the strategy built at the first batch
             deadline = time.monotonic() + peer_timeout
             while tracker.global_progress.num_peers < num_peers:
                 if time.monotonic() > deadline:
@@ -108,7 +108,7 @@ def make_callbacks(num_peers: int, rounds: int, peer_timeout: float = 60.0) -> l
 
     class StopAfterRounds(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if trainer.strategy._opt.local_epoch >= rounds:
+            if trainer.optimizers[0].local_epoch >= rounds:
                 trainer.should_stop = True
 
     return [WaitForPeers(), StopAfterRounds()]

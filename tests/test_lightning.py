@@ -2,11 +2,11 @@
 Two peers train examples/lightning_digits.py with Lightning's ``HivemindStrategy`` and ``patch_hivemind()``, in
 exact and in-place mode.
 
-Both peers join one bootstrap DHT, and each waits after its first micro-step until it sees the other (the example's
-``WaitForPeers``; hivemind publishes a peer's progress only once it has accumulated samples). Both enter every epoch boundary together (a barrier before the optimizer's epoch update, as in
-tests/test_configurations.py), so each makes the same number of rounds and stops at the same epoch. Whether a round
-averages depends on matchmaking's timing; a failed round steps with the peer's local gradients, so the loss bound
-holds either way (see LOSS_BOUND).
+Both peers join one bootstrap DHT. Each waits after its first micro-step until it sees the other (the example's
+``WaitForPeers``): hivemind publishes a peer's progress only once it has accumulated samples. Both enter every epoch
+boundary together (a barrier before the optimizer's epoch update, as in tests/test_configurations.py), so each makes
+the same number of rounds and stops at the same epoch. Whether a round averages depends on matchmaking's timing; a
+failed round steps with the peer's local gradients, so the loss bound holds either way (see LOSS_BOUND).
 """
 import importlib.util
 import multiprocessing as mp
@@ -51,7 +51,7 @@ def _run_peer(rank: int, initial_peers, reuse_grad_buffers: bool, barrier, queue
         """both peers enter every epoch boundary together; records what this peer's optimizer is"""
 
         def on_before_optimizer_step(self, trainer, module, optimizer):
-            opt = trainer.strategy._opt
+            opt = trainer.optimizers[0]  # the hivemind.Optimizer the strategy built
             if "averager" in seen:
                 return
             seen.update(optimizer=type(opt), averager=type(opt.grad_averager),
@@ -66,15 +66,16 @@ def _run_peer(rank: int, initial_peers, reuse_grad_buffers: bool, barrier, queue
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if "num_peers" not in seen:  # after the example's WaitForPeers
-                seen.update(num_peers=trainer.strategy._opt.tracker.global_progress.num_peers)
+                seen.update(num_peers=trainer.optimizers[0].tracker.global_progress.num_peers)
 
         def on_train_end(self, trainer, module):
-            seen.update(epoch=trainer.strategy._opt.local_epoch)
+            seen.update(epoch=trainer.optimizers[0].local_epoch)
             barrier.wait(timeout=120)  # the other peer is through its last round too
 
     strategy = example.make_strategy(
         initial_peers, TARGET_BATCH_SIZE, reuse_grad_buffers=reuse_grad_buffers, run_id=f"digits_{reuse_grad_buffers}",
-        matchmaking_time=1.0, averaging_timeout=60.0, average_state_every=10**6, tracker_opts=dict(max_refresh_period=1.0),
+        matchmaking_time=1.0, averaging_timeout=60.0, average_state_every=10**6,
+        tracker_opts=dict(max_refresh_period=1.0),
     )
     try:
         module = example.train(
