@@ -91,7 +91,8 @@ def test_round_guard_zeros_own_values_and_restores_them_after_a_nonfinite_result
     guard = RoundGuard("values")
     own = [torch.tensor([1.0, float("nan")]), torch.tensor([2.0])]
     guard.snapshot_(own)
-    assert not guard.offer_(own, round_key="E") and not guard.own_finite
+    round_e, later = RoundKey(), [RoundKey() for _ in range(5)]  # a round's key: its control, alive while it runs
+    assert not guard.offer_(own, round_key=round_e) and not guard.own_finite
     assert all(torch.equal(tensor, torch.zeros_like(tensor)) for tensor in own)  # sent as zeros (with weight 0)
     own[0].fill_(5.0)  # a finite average from the others is accepted
     assert guard.accept_(own) and torch.equal(own[0], torch.full((2,), 5.0))
@@ -99,8 +100,15 @@ def test_round_guard_zeros_own_values_and_restores_them_after_a_nonfinite_result
     assert not guard.accept_(own)
     torch.testing.assert_close(own[0], torch.tensor([1.0, float("nan")]), equal_nan=True)
     torch.testing.assert_close(own[1], torch.tensor([2.0]))
-    assert guard.offer_([torch.ones(2)], round_key="E + 1") and guard.own_finite
-    assert not guard.own_finite_in("E") and guard.own_finite_in("E + 1")  # each round's own record
+    for key in later:
+        assert guard.offer_([torch.ones(2)], round_key=key) and guard.own_finite
+    # each round's own record, however many rounds were offered since
+    assert not guard.own_finite_in(round_e) and all(guard.own_finite_in(key) for key in later)
+    assert guard.own_finite_in(None) and guard.own_finite_in(RoundKey())  # a round never offered: the latest offer's
+
+
+class RoundKey:
+    """stands for a round's control handle: hashed by identity, and weakly referenced by RoundGuard"""
 
 
 @pytest.mark.forked

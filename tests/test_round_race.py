@@ -11,11 +11,13 @@ read as cancelled when the averager's process learns of it, or that process runs
 """
 import contextlib
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 import hivemind_accum
+from hivemind_accum.optim.round_guard import StepDecisions
 from tests.conftest import SINGLE_PEER_TRACKER
 
 WINDOW = 3  # micro-steps per epoch
@@ -53,11 +55,11 @@ def _micro_step(opt, probe, j: int, factor: float = 1.0) -> None:
     opt.grad_averager.accumulate_grads_(batch_size=1)
 
 
-def _make_optimizer(dht, probe, reuse_grad_buffers: bool):
+def _make_optimizer(dht, probe, reuse_grad_buffers: bool, delay_grad_averaging: bool = True):
     return hivemind_accum.Optimizer(
         dht=dht, run_id="round_race", params=[probe], optimizer=lambda params: torch.optim.SGD(params, lr=1.0),
         target_batch_size=10**6, batch_size_per_step=1, reuse_grad_buffers=reuse_grad_buffers,
-        delay_optimizer_step=True, delay_grad_averaging=True, average_state_every=10**6,
+        delay_optimizer_step=True, delay_grad_averaging=delay_grad_averaging, average_state_every=10**6,
         tracker_opts=SINGLE_PEER_TRACKER,
     )
 
@@ -177,6 +179,66 @@ def test_late_step_reads_its_own_rounds_finiteness(dht, reuse_grad_buffers, nonf
         torch.testing.assert_close(used[stepped], own[stepped])
     finally:
         opt.shutdown()
+
+
+@pytest.mark.forked
+def test_queued_step_reads_its_own_rounds_decision(dht):
+    """delay_optimizer_step without delay_grad_averaging: the main thread loads each round and queues its step in the
+    state averager's thread. E holds a NaN micro-step; E's step is still queued (behind a slow job) when E + 1 is
+    loaded and decided. E's step must still be skipped, and E + 1's step use E + 1's micro-steps once. Before
+    decisions travelled with the step's job, E's step read E + 1's decision and used window E + 1, which E + 1's step
+    then used again"""
+    probe = torch.nn.Parameter(torch.zeros(2 * WINDOW))
+    opt = _make_optimizer(dht, probe, reuse_grad_buffers=False, delay_grad_averaging=False)
+    used = _record_steps(opt)
+    slow_job = threading.Event()
+    try:
+        opt.state_averager.step_executor.submit(slow_job.wait, 60)  # holds the state averager's only thread
+        for window in range(2):
+            for j in range(window * WINDOW, (window + 1) * WINDOW):
+                _micro_step(opt, probe, j, factor=float("nan") if j == 1 else 1.0)
+            control = _begin_round(opt)
+            control.cancel()  # the round fails: the main thread falls back to its local gradients and decides
+            opt._average_gradients_and_load_into_optimizer(control)
+            opt.state_averager.step(optimizer_step=True, delay_optimizer_step=True)  # queued behind the slow job
+        slow_job.set()
+        opt.state_averager.step(wait_for_delayed_updates=True)
+        window_next = torch.zeros(2 * WINDOW)
+        window_next[WINDOW:] = 1.0
+        assert len(used) == 2
+        assert used[0] is None, f"E's step must be skipped (its micro-step 1 was NaN), it used {used[0]}"
+        assert used[1] is not None, "E + 1's step must not be skipped"
+        torch.testing.assert_close(used[1], window_next)
+    finally:
+        slow_job.set()
+        opt.shutdown()
+
+
+def test_step_decisions_reach_their_own_job_only():
+    """StepDecisions: a job takes the decision its submitter made last, a decision made inside the job replaces it,
+    and a decision whose job was cancelled before it ran reaches no later job"""
+    decisions = StepDecisions()
+    executor = decisions.carried_by(ThreadPoolExecutor(max_workers=1))
+    gate = threading.Event()
+    try:
+        executor.submit(gate.wait, 60)
+        decisions.decide(False)
+        first = executor.submit(decisions.take)  # round E's step
+        decisions.decide(True)
+        second = executor.submit(decisions.take)  # round E + 1's, decided before E's step ran
+        undecided = executor.submit(decisions.take)
+        decisions.decide(False)
+        cancelled = executor.submit(decisions.take)
+        assert cancelled.cancel()
+        after_cancelled = executor.submit(decisions.take)
+        own = executor.submit(lambda: (decisions.decide(True), decisions.take())[1])  # a delayed round's load
+        assert decisions.take() is None  # the submitter's decisions went with its jobs
+        gate.set()
+        assert [first.result(60), second.result(60), undecided.result(60), after_cancelled.result(60),
+                own.result(60)] == [False, True, None, None, True]
+    finally:
+        gate.set()
+        executor.shutdown()
 
 
 @pytest.mark.forked

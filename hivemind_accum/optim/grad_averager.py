@@ -369,8 +369,17 @@ class GradientAverager(upstream.GradientAverager):
         return self._averaged_buckets if self._averaged_buckets is not None else averaged_grads
 
 
-# hivemind 1.1.12's StepControl.cancel signals the averager's process, then marks the round cancelled
-_CANCEL_SIGNALS_FIRST = inspect.getsource(StepControl.cancel).rstrip().endswith("return super().cancel()")
+def _cancel_signals_first() -> bool:
+    """whether hivemind's StepControl.cancel signals the averager's process before it marks the round cancelled (as
+    1.1.12's does); True where its source cannot be read (an install without .py files): the subclass is then used,
+    and is correct either way"""
+    try:
+        return inspect.getsource(StepControl.cancel).rstrip().endswith("return super().cancel()")
+    except (OSError, TypeError):
+        return True
+
+
+_CANCEL_SIGNALS_FIRST = _cancel_signals_first()
 
 
 class _StateFirstStepControl(StepControl):

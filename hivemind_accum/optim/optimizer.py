@@ -19,7 +19,7 @@ from hivemind.utils import get_logger
 from hivemind_accum.optim.grad_averager import GradientAverager, is_positive_int
 from hivemind_accum.optim.grad_buckets import LOW_PRECISION, check_distinct
 from hivemind_accum.optim.progress_tracker import ProgressTracker
-from hivemind_accum.optim.round_guard import SkipUnusableSteps, all_finite
+from hivemind_accum.optim.round_guard import SkipUnusableSteps, StepDecisions, all_finite
 from hivemind_accum.optim.state_averager import TrainingStateAverager
 from hivemind_accum.optim.torch_internals import (
     _optimizer_state,
@@ -109,7 +109,7 @@ class Optimizer(upstream.Optimizer):
             client_mode=client_mode, auxiliary=auxiliary, **kwargs,
         )
         self._micro_step_scaler = None
-        self._step_usable: Optional[bool] = None  # the last round's decision for its optimizer step: _round_usable
+        self._step_decisions = StepDecisions()  # each round's decision for its optimizer step: _round_usable
         self._host_copy_step = threading.local()  # see _step_with_host_copy
         self._own_found_inf_record = []  # the overflow tensors step() last recorded in the grad scaler
         if self.use_gradient_averaging and self._guards_gradients():
@@ -118,6 +118,9 @@ class Optimizer(upstream.Optimizer):
             self._skip_unusable_steps = SkipUnusableSteps(
                 self.state_averager.optimizer, usable=self._round_usable, on_skip=self._on_skipped_step,
             )
+            # a job of the state averager steps with the decision of the round loaded before it was submitted, or of
+            # the round it loads itself (delayed averaging), however late it runs
+            self.state_averager.step_executor = self._step_decisions.carried_by(self.state_averager.step_executor)
             self.state_averager.optimizer.register_step_pre_hook(self._swap_in_host_copy)  # after the skip's hooks
             self.state_averager.optimizer.register_step_post_hook(self._swap_out_host_copy)
         if self.use_gradient_averaging and not self.auxiliary:
@@ -290,7 +293,7 @@ class Optimizer(upstream.Optimizer):
                     f"keeps no local gradients to fall back to: this peer skips its optimizer step"
                 )
                 usable = False
-        self._step_usable = usable
+        self._step_decisions.decide(usable)
         if not usable:
             self.grad_averager.discard_nonfinite_round_()  # PowerSGD: its residuals may hold the round's inf/NaN
             return self.grad_averager.notify_used_averaged_gradients()  # the optimizer step will be skipped
@@ -325,16 +328,16 @@ class Optimizer(upstream.Optimizer):
         :class:`~hivemind_accum.optim.round_guard.SkipUnusableSteps`)"""
         logger.log(self.status_loglevel, "Proceeding with local gradients")
         if self._step_with_host_copy():
-            self._step_usable = self._round_own_finite()
+            self._step_decisions.decide(self._round_own_finite())
             self.grad_averager.notify_used_averaged_gradients()
         elif self.grad_averager.load_accumulators_into_averager_() is False:
-            self._step_usable = False
+            self._step_decisions.decide(False)
             self.grad_averager.notify_used_averaged_gradients()
         elif self._guards_gradients() and not self._round_own_finite():
-            self._step_usable = False
+            self._step_decisions.decide(False)
             self.grad_averager.notify_used_averaged_gradients()  # the optimizer step will be skipped
         else:
-            self._step_usable = True
+            self._step_decisions.decide(True)
             self._load_gradients_into_optimizer_()  # checked already
 
     def _load_gradients_into_optimizer_(self):
@@ -398,9 +401,8 @@ class Optimizer(upstream.Optimizer):
         """whether the optimizer step about to run may use its round's gradients, as that round's load decided: not
         if its fallback found them kept no longer, nor if they or the round's result held inf or NaN. A step whose
         round no load of ours decided (hivemind loaded the accumulators itself) uses them if the latest were finite.
-        A round's decision and its step are in order: the state averager runs each step after the one before, and a
-        delayed round's load right before its step, in that thread"""
-        usable, self._step_usable = self._step_usable, None
+        Each decision reaches its own round's step only (``StepDecisions``), also when the step runs late"""
+        usable = self._step_decisions.take()
         return self.grad_averager.round_guard.own_finite if usable is None else usable
 
     def _on_skipped_step(self) -> None:

@@ -11,7 +11,9 @@ This module knows nothing about hivemind's classes. It gives one check and one s
 - :class:`RoundGuard`: what one averager does around a round: before it, :meth:`RoundGuard.offer_` checks this peer's
   own values and replaces non-finite ones by zeros, to be sent with weight 0; after it, :meth:`RoundGuard.accept_`
   checks the result and, if it is not finite, restores this peer's own values from a snapshot kept for that purpose;
-- :class:`SkipUnusableSteps`: step hooks that make a torch optimizer's step a no-op while a round is not usable.
+- :class:`SkipUnusableSteps`: step hooks that make a torch optimizer's step a no-op while a round is not usable;
+- :class:`StepDecisions`: each round's decision for its step, carried from the thread that loads the round to the
+  job that steps, so that a late step reads its own round's decision and no other.
 
 Who calls what:
 
@@ -19,11 +21,14 @@ Who calls what:
   :class:`hivemind_accum.Optimizer` checks the round's averaged gradients with :func:`all_finite` before stepping and,
   if they are not finite, uses the round's own gradients (the averager's failed-round fallback) or skips its step
   (``SkipUnusableSteps`` on the state averager's torch optimizer), deciding from
-  ``RoundGuard.own_finite_in(round)``: a round's own record, also when a later round has begun since.
+  ``RoundGuard.own_finite_in(round)``: a round's own record, also when a later round has begun since. The decision
+  travels to the round's step in ``StepDecisions``.
 - :class:`hivemind_accum.optim.state_averager.TrainingStateAverager` calls ``offer_``, ``snapshot_`` and ``accept_``
   around each parameter averaging all-reduce, in the averager's background process.
 """
-from collections import OrderedDict
+import threading
+import weakref
+from concurrent.futures import Executor, Future
 from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch
@@ -73,10 +78,9 @@ class RoundGuard:
     def __init__(self, what: str):
         self.what = what
         self.own_finite = True  # whether this peer's own values were finite when last offered
-        self._own_finite_by_round: "OrderedDict[Hashable, bool]" = OrderedDict()  # the same, for the latest rounds
+        # the same, per round, for as long as the round's key (its control) is alive
+        self._own_finite_by_round: "weakref.WeakKeyDictionary[Hashable, bool]" = weakref.WeakKeyDictionary()
         self._snapshot: Optional[List[torch.Tensor]] = None
-
-    rounds_kept = 3  # own_finite_in remembers this many rounds
 
     @torch.no_grad()
     def offer_(self, tensors: Sequence[torch.Tensor], checksums: Optional[torch.Tensor] = None,
@@ -88,14 +92,13 @@ class RoundGuard:
 
         :param tensors: the averager's buffers, already holding this peer's values for the round
         :param checksums: optional sums of ``tensors`` taken as they were written (see :func:`all_finite`)
-        :param round_key: the round the values are offered for (e.g. its control handle), for :meth:`own_finite_in`
+        :param round_key: the round the values are offered for (its control handle, or any object that takes a weak
+          reference), for :meth:`own_finite_in`; remembered while the key is alive
         :returns: ``own_finite``: True if the values may be offered with their weight, False if they were zeroed
         """
         self.own_finite = all_finite(tensors, checksums)
         if round_key is not None:
             self._own_finite_by_round[round_key] = self.own_finite
-            while len(self._own_finite_by_round) > self.rounds_kept:
-                self._own_finite_by_round.popitem(last=False)
         if not self.own_finite:
             foreach_zero_([tensor for tensor in tensors if tensor.numel() > 0])
             logger.warning(
@@ -105,8 +108,11 @@ class RoundGuard:
         return self.own_finite
 
     def own_finite_in(self, round_key: Optional[Hashable]) -> bool:
-        """whether this peer's own values were finite when offered for the round ``round_key`` (:meth:`offer_`);
-        for a round it does not know (None, or older than the latest ``rounds_kept``), the last offer's"""
+        """whether this peer's own values were finite when offered for the round ``round_key`` (:meth:`offer_`),
+        however many rounds were offered since; for a round it does not know (None, or never offered), the last
+        offer's"""
+        if round_key is None:
+            return self.own_finite
         return self._own_finite_by_round.get(round_key, self.own_finite)
 
     @torch.no_grad()
@@ -168,3 +174,47 @@ class SkipUnusableSteps:
         for param, grad in self._taken:
             param.grad = grad
         self._taken = []
+
+
+class StepDecisions:
+    """
+    Whether each round's optimizer step may use the round's gradients, handed from where the round is loaded to the
+    step that uses it. A decision belongs to the thread that made it. A job submitted through :meth:`carried_by`'s
+    executor takes the submitting thread's decision along into the thread that runs it; a decision made inside the
+    job (a delayed round's load) replaces it. The step reads its own thread's decision. So a late step reads its own
+    round's decision, never one made for a later round, and a decision that no step read ends with its job.
+    """
+
+    def __init__(self):
+        self._thread = threading.local()
+
+    def decide(self, usable: bool) -> None:
+        """record, in this thread, whether the step of the round just loaded may use its gradients"""
+        self._thread.usable = usable
+
+    def take(self) -> Optional[bool]:
+        """this thread's decision, which is cleared; None if there is none"""
+        usable, self._thread.usable = getattr(self._thread, "usable", None), None
+        return usable
+
+    def carried_by(self, executor: Executor) -> Executor:
+        """``executor``, whose ``submit`` hands the submitting thread's decision to the job"""
+        return _CarryingExecutor(executor, self)
+
+    def _run_with(self, usable: Optional[bool], fn: Callable, args, kwargs):
+        self._thread.usable = usable
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._thread.usable = None
+
+
+class _CarryingExecutor(Executor):
+    def __init__(self, executor: Executor, decisions: StepDecisions):
+        self._executor, self._decisions = executor, decisions
+
+    def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
+        return self._executor.submit(self._decisions._run_with, self._decisions.take(), fn, args, kwargs)
+
+    def shutdown(self, wait: bool = True, **kwargs) -> None:
+        self._executor.shutdown(wait, **kwargs)

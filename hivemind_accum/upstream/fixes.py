@@ -124,7 +124,8 @@ FIXES: Sequence[Fix] = (
         omit=(
             "_StateFirstStepControl",
             "if _CANCEL_SIGNALS_FIRST:",
-            '_CANCEL_SIGNALS_FIRST = inspect.getsource(StepControl.cancel).rstrip().endswith("return super().cancel()")',
+            "_cancel_signals_first",
+            "_CANCEL_SIGNALS_FIRST = _cancel_signals_first()",
             "import inspect",
         ),
     ),
