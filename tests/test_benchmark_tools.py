@@ -145,7 +145,9 @@ def _work_rows(**micro_step_ms):
 
 
 def test_main_job_timing_claims_on_a_loaded_machine_are_not_judged():
+    """on a loaded machine every timing claim is not judged, those whose numbers hold as those whose numbers fail"""
     from benchmarks.main_job.claims import UNEXPECTED, loaded, make_claims
+    from benchmarks.main_job.report import format_claims
 
     work = _work_rows(inplace=34.5, upstream_reuse=10.0, upstream=12.0)  # in place 3.45x native
     idle = dict(cores=2, load_average=[0.9, 0.8, 0.7])
@@ -157,8 +159,52 @@ def test_main_job_timing_claims_on_a_loaded_machine_are_not_judged():
         in_place = claims["accum in place micro-step within 1.03x native"]
         assert not in_place["holds"] and in_place["judged"] is judged
         assert (UNEXPECTED in in_place["why"]) is judged and ("not judged" in in_place["why"]) is not judged
+        exact = claims["accum exact micro-step within 1.15x native"]  # 1.000x: its numbers hold
+        assert exact["holds"] and exact["judged"] is judged and (exact["why"] is None) is judged
         counts = claims["accum exact tensor ops per no-sync step fewer than upstream"]
         assert counts["holds"] and counts["judged"]  # a count is judged on any machine
+        timing = [c for c in claims.values() if c["a"].endswith(("ms", "x"))]
+        assert len(timing) == 9 and all(c["judged"] is judged for c in timing)
+        lines = format_claims(list(claims.values())).splitlines()
+        assert sum(line.startswith("not judged") for line in lines) == (0 if judged else 9)
+
+
+def test_main_job_vs_always_names_the_upstream_modes_number():
+    """'a vs b': b is the upstream mode the claim names; a claim held to a target prints its one number"""
+    from benchmarks.main_job.claims import make_claims
+    from benchmarks.main_job.common import MODES
+    from benchmarks.main_job.report import format_claims
+
+    claims = make_claims(_work_rows(), {})
+    upstream = (MODES["upstream"].label, MODES["upstream_reuse"].label)
+    for c in claims:
+        if c["b"] is None:
+            assert "x native" in c["text"] and " vs " not in format_claims([c])
+        else:
+            assert any(label in c["text"] for label in upstream), c["text"]
+    targets = {c["text"]: c for c in claims if c["b"] is None}
+    assert sorted(targets) == ["accum exact micro-step within 1.15x native", "accum in place micro-step within 1.03x native"]
+    assert format_claims([targets["accum exact micro-step within 1.15x native"]]).endswith(": 1.000x")
+
+
+@pytest.mark.parametrize("load_average", [None, [0.5, 0.4, 0.3], [12.0, 6.5, 3.2]])
+def test_main_job_screen_from_the_committed_run_fits_120_columns(load_average):
+    """the screen rebuilt from benchmarks/results/local_accumulation.json, idle and loaded, with today's claims"""
+    from benchmarks.main_job.claims import loaded, make_claims
+    from benchmarks.main_job.report import WIDTH, render
+
+    with open(os.path.join(REPO_ROOT, "benchmarks", "results", "local_accumulation.json")) as file:
+        report = json.load(file)
+    if load_average is not None:
+        sample = dict(cores=2, load_average=load_average)
+        report["load"] = dict(start=sample, after_work=sample, end=sample)
+    reason = loaded(list(report["load"].values())[:2]) if "load" in report else None
+    report["claims"] = make_claims({row["mode"]: row for row in report["work"]},
+                                   {(row["section"], row["mode"]): row for row in report["training"]}, load=reason)
+    lines = render(report, "/tmp/hivemind_accum_main_job_jfhfuw6d")
+    assert max(len(line) for line in lines) <= WIDTH, max(lines, key=len)
+    assert any(line.startswith("Claims (26: ") for line in lines)
+    assert sum(line.startswith("not judged") for line in lines) == (9 if reason else 0)
 
 
 def test_main_job_outside_step_reason_agrees_with_its_numbers():
