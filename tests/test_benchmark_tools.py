@@ -262,3 +262,59 @@ def test_swarm_accounting_tallies_every_peer():
                           incomplete_runs=1)
     row = table([dict(setting="(a) defaults", delay=True, implementation="ours", counts=counts)]).splitlines()[-1]
     assert row == "| (a) defaults | yes | ours | 4 / 23 / 1 | 3 / 0 / 1 | 2 |"
+
+
+# ------------------------------------------------ hivemind's shutdown noise -----------------------------------------
+EXITED_SENDER = """
+import multiprocessing as mp, sys, time
+import hivemind
+from hivemind.utils import get_dht_time
+if sys.argv[1] == "filtered":
+    from hivemind_accum.shutdown_noise import silence_exited_sender_errors
+    silence_exited_sender_errors()
+
+async def block(dht, node):
+    time.sleep(1.5)  # holds the DHT's event loop: the next request waits in its pipe until its sender has exited
+
+def send_and_exit(dht):
+    dht.store("key", "value", get_dht_time() + 60, return_future=True)
+
+if __name__ == "__main__":
+    dht = hivemind.DHT(start=True)
+    blocked = dht.run_coroutine(block, return_future=True)
+    sender = mp.get_context("fork").Process(target=send_and_exit, args=(dht,))
+    sender.start(), sender.join()
+    blocked.result()
+    dht.get("key")  # a round trip: the DHT has read the exited sender's request
+    dht.shutdown()
+"""
+
+
+@pytest.mark.parametrize("mode", ["plain", "filtered"])
+def test_exited_sender_error_is_silenced_only_by_the_filter(mode, tmp_path):
+    """hivemind's DHT logs a request from an exited process as [ERROR] with a traceback; the filter drops it"""
+    (tmp_path / "exited_sender.py").write_text(EXITED_SENDER)
+    proc = subprocess.run([sys.executable, str(tmp_path / "exited_sender.py"), mode], cwd=REPO_ROOT,
+                          env=dict(os.environ, PYTHONPATH=REPO_ROOT), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    noise = "[hivemind.dht.dht._run:130]" in proc.stderr and "resource_sharer.py" in proc.stderr
+    assert noise is (mode == "plain"), proc.stderr[-3000:]
+    assert "[ERROR]" not in proc.stderr or mode == "plain", proc.stderr[-3000:]
+
+
+def test_exited_sender_filter_passes_every_other_record():
+    import logging
+
+    from hivemind_accum.shutdown_noise import ExitedSenderFilter
+
+    def record(func: str, error: BaseException) -> logging.LogRecord:
+        try:
+            raise error
+        except BaseException:
+            return logging.LogRecord("hivemind.dht.dht", logging.ERROR, __file__, 1, str(error), None, sys.exc_info(),
+                                     func=func)
+
+    keep = ExitedSenderFilter().filter
+    assert keep(record("_run", FileNotFoundError(2, "No such file or directory")))  # not raised by resource_sharer
+    assert keep(record("_run", RuntimeError("real")))
+    assert keep(record("_run_coroutine", ConnectionResetError(104, "reset")))
