@@ -183,7 +183,8 @@ def test_main_job_vs_always_names_the_upstream_modes_number():
         else:
             assert any(label in c["text"] for label in upstream), c["text"]
     targets = {c["text"]: c for c in claims if c["b"] is None}
-    assert sorted(targets) == ["accum exact micro-step within 1.15x native", "accum in place micro-step within 1.03x native"]
+    assert sorted(targets) == ["accum exact micro-step within 1.15x native",
+                               "accum in place micro-step within 1.03x native"]
     assert format_claims([targets["accum exact micro-step within 1.15x native"]]).endswith(": 1.000x")
 
 
@@ -262,6 +263,18 @@ def test_swarm_accounting_tallies_every_peer():
                           incomplete_runs=1)
     row = table([dict(setting="(a) defaults", delay=True, implementation="ours", counts=counts)]).splitlines()[-1]
     assert row == "| (a) defaults | yes | ours | 4 / 23 / 1 | 3 / 0 / 1 | 2 |"
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_main_job_progress_lines_fit_120_columns(verbose, capsys):
+    """without a terminal (as under pytest), progress goes to stdout, wrapped to the screen's width"""
+    from benchmarks.main_job.cli import progress_printer
+    from benchmarks.main_job.report import WIDTH
+
+    runs = "; ".join(f"training: mode {i}" for i in range(12))
+    progress_printer(verbose)(f"[peers] 2 peers, target_batch_size=384, 12 runs in turn: {runs}")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) > 1 and max(len(line) for line in lines) <= WIDTH, lines
 
 
 # ------------------------------------------------ hivemind's shutdown noise -----------------------------------------

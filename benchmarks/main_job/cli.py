@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
@@ -23,7 +24,7 @@ import hivemind_accum
 from benchmarks.main_job.claims import loaded, machine_load, make_claims
 from benchmarks.main_job.common import LEGEND, SECTIONS
 from benchmarks.main_job.report import (
-    claims_section, count_log_errors, describe_logs, load_line, training_section, work_section,
+    WIDTH, claims_section, count_log_errors, describe_logs, load_line, training_section, work_section,
 )
 from benchmarks.main_job.training import TrainConfig, run_label, run_native, run_peers, summarize_training
 from benchmarks.main_job.work import WorkConfig, run_work
@@ -84,17 +85,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def progress_printer(verbose: bool) -> Callable[[str], None]:
     """``--verbose``: progress lines on stdout; otherwise one status line on a terminal's stderr, overwritten, or,
     where stderr is not a terminal, the first line of each section (``[work]``, ``[peers]``, ...) on stdout"""
+    def wrapped(line: str) -> None:
+        print(textwrap.fill(line, WIDTH, subsequent_indent="  ", break_on_hyphens=False), flush=True)
+
     if verbose:
-        return lambda line: print(line, flush=True)
+        return wrapped
     if sys.stderr.isatty():
-        return lambda line: print(f"\r\033[K{line[:119]}", end="", file=sys.stderr, flush=True)
+        return lambda line: print(f"\r\033[K{line[:WIDTH - 1]}", end="", file=sys.stderr, flush=True)
     sections = set()
 
     def first_of_each_section(line: str) -> None:
         section = line.split("]")[0] + "]" if line.startswith("[") else None
         if section is not None and section not in sections:
             sections.add(section)
-            print(line, flush=True)
+            wrapped(line)
 
     return first_of_each_section
 
