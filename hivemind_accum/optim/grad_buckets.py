@@ -10,7 +10,9 @@ The layout follows PyTorch DDP's ``gradient_as_bucket_view=True`` (gradients as 
 bucket) and its ``batched_grad_copy`` (one ``_foreach`` op per bucket instead of a per-parameter loop).
 """
 import math
+import operator
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -187,6 +189,7 @@ class GradientBuckets:
             for i, view in zip(bucket.indices, bucket.views):
                 views[i] = view
         self.views: Tuple[torch.Tensor, ...] = tuple(views)
+        self._single = len(self.buckets) == 1  # then its indices are 0, 1, ...: sources need no regrouping
 
     @torch.no_grad()
     def add_(self, sources: Sequence[Optional[torch.Tensor]], alpha: float = 1.0) -> None:
@@ -200,16 +203,19 @@ class GradientBuckets:
         :param alpha: scalar weight applied to every source
         """
         for bucket in self.buckets:
-            grads = [sources[i] for i in bucket.indices]
-            if all(grad is None for grad in grads):
-                continue
-            if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
-                bucket.flat.add_(bucket.stage_(grads), alpha=alpha)
-            elif any(grad is None for grad in grads):
-                present = [k for k, grad in enumerate(grads) if grad is not None]
-                foreach_add_([bucket.views[k] for k in present], [grads[k] for k in present], alpha=alpha)
-            else:
-                foreach_add_(bucket.views, grads, alpha=alpha)
+            grads = sources if self._single else [sources[i] for i in bucket.indices]
+            if not any(map(operator.is_, grads, repeat(None))):
+                if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
+                    bucket.flat.add_(bucket.stage_(grads), alpha=alpha)
+                else:
+                    with torch.inference_mode():  # the fused op's per-tensor adds skip autograd's dispatch
+                        foreach_add_(bucket.views, grads, alpha=alpha)
+            elif not all(map(operator.is_, grads, repeat(None))):
+                if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
+                    bucket.flat.add_(bucket.stage_(grads), alpha=alpha)
+                else:
+                    present = [k for k, grad in enumerate(grads) if grad is not None]
+                    foreach_add_([bucket.views[k] for k in present], [grads[k] for k in present], alpha=alpha)
 
     @torch.no_grad()
     def add_finite_(
