@@ -111,9 +111,10 @@ def _make_bucket(
     device: torch.device,
     dtype: torch.dtype,
     share_memory: bool = False,
+    pin_memory: bool = False,
 ) -> GradientBucket:
     """allocate one zero-filled flat buffer of ``dtype`` for ``likes`` (in order), cut into views of their shapes"""
-    flat = torch.zeros(sum(like.numel() for like in likes), dtype=dtype, device=device)
+    flat = torch.zeros(sum(like.numel() for like in likes), dtype=dtype, device=device, pin_memory=pin_memory)
     if share_memory:
         flat.share_memory_()
     views, offset = [], 0
@@ -136,6 +137,8 @@ class GradientBuckets:
       averagers need for the tensors their background process all-reduces; use with ``device="cpu"``.
     :param upcast: if True, float16 and bfloat16 tensors get float32 buffers (and float32 views); tensors are still
       grouped by their own dtype, so buckets built from the same tensors with and without ``upcast`` pair up.
+    :param pin_memory: if True, allocate the buffers in page-locked host memory (``device="cpu"``, needs an
+      accelerator), so that copies from an accelerator into them can run without blocking
     :raises ValueError: if ``tensors`` is empty or holds a non-tensor, a sparse or meta tensor, a non-float dtype or
       the same tensor twice (the message names the offending positions as ``parameters[i]``), or if ``device``
       cannot be allocated on.
@@ -149,6 +152,7 @@ class GradientBuckets:
         device: Optional[torch.device] = None,
         share_memory: bool = False,
         upcast: bool = False,
+        pin_memory: bool = False,
     ):
         tensors = tuple(tensors)
         if len(tensors) == 0:
@@ -181,6 +185,7 @@ class GradientBuckets:
                 device=torch.device(device) if device is not None else source_device,
                 dtype=torch.float32 if upcast and dtype in LOW_PRECISION else dtype,
                 share_memory=share_memory,
+                pin_memory=pin_memory,
             )
             for (source_device, dtype), indices in groups.items()
         ]

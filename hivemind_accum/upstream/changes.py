@@ -345,6 +345,18 @@ gradients, where it would load the next round's window, which the next round the
 """,
     enters=("local_fallback", "power_sgd_averager"),
     omit={
+        "grad_buckets": (
+            Edit("    share_memory: bool = False,\n    pin_memory: bool = False,\n) -> GradientBucket:",
+                 "    share_memory: bool = False,\n) -> GradientBucket:"),
+            Edit(", device=device, pin_memory=pin_memory)", ", device=device)"),
+            Edit("        upcast: bool = False,\n        pin_memory: bool = False,\n    ):",
+                 "        upcast: bool = False,\n    ):"),
+            Edit("                pin_memory=pin_memory,\n"),
+            Edit(
+                "    :param pin_memory: if True, allocate the buffers in page-locked host memory (``device=\"cpu\"``, "
+                "needs an\n      accelerator), so that copies from an accelerator into them can run without blocking\n"
+            ),
+        ),
         "grad_averager": (
             "from hivemind_accum.optim.local_fallback import LocalFallback",
             "keep_local_fallback: bool = True",
