@@ -10,7 +10,9 @@ The layout follows PyTorch DDP's ``gradient_as_bucket_view=True`` (gradients as 
 bucket) and its ``batched_grad_copy`` (one ``_foreach`` op per bucket instead of a per-parameter loop).
 """
 import math
+import operator
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -109,9 +111,10 @@ def _make_bucket(
     device: torch.device,
     dtype: torch.dtype,
     share_memory: bool = False,
+    pin_memory: bool = False,
 ) -> GradientBucket:
     """allocate one zero-filled flat buffer of ``dtype`` for ``likes`` (in order), cut into views of their shapes"""
-    flat = torch.zeros(sum(like.numel() for like in likes), dtype=dtype, device=device)
+    flat = torch.zeros(sum(like.numel() for like in likes), dtype=dtype, device=device, pin_memory=pin_memory)
     if share_memory:
         flat.share_memory_()
     views, offset = [], 0
@@ -134,6 +137,8 @@ class GradientBuckets:
       averagers need for the tensors their background process all-reduces; use with ``device="cpu"``.
     :param upcast: if True, float16 and bfloat16 tensors get float32 buffers (and float32 views); tensors are still
       grouped by their own dtype, so buckets built from the same tensors with and without ``upcast`` pair up.
+    :param pin_memory: if True, allocate the buffers in page-locked host memory (``device="cpu"``, needs an
+      accelerator), so that copies from an accelerator into them can run without blocking
     :raises ValueError: if ``tensors`` is empty or holds a non-tensor, a sparse or meta tensor, a non-float dtype or
       the same tensor twice (the message names the offending positions as ``parameters[i]``), or if ``device``
       cannot be allocated on.
@@ -147,6 +152,7 @@ class GradientBuckets:
         device: Optional[torch.device] = None,
         share_memory: bool = False,
         upcast: bool = False,
+        pin_memory: bool = False,
     ):
         tensors = tuple(tensors)
         if len(tensors) == 0:
@@ -179,6 +185,7 @@ class GradientBuckets:
                 device=torch.device(device) if device is not None else source_device,
                 dtype=torch.float32 if upcast and dtype in LOW_PRECISION else dtype,
                 share_memory=share_memory,
+                pin_memory=pin_memory,
             )
             for (source_device, dtype), indices in groups.items()
         ]
@@ -187,6 +194,7 @@ class GradientBuckets:
             for i, view in zip(bucket.indices, bucket.views):
                 views[i] = view
         self.views: Tuple[torch.Tensor, ...] = tuple(views)
+        self._single = len(self.buckets) == 1  # then its indices are 0, 1, ...: sources need no regrouping
 
     @torch.no_grad()
     def add_(self, sources: Sequence[Optional[torch.Tensor]], alpha: float = 1.0) -> None:
@@ -200,16 +208,19 @@ class GradientBuckets:
         :param alpha: scalar weight applied to every source
         """
         for bucket in self.buckets:
-            grads = [sources[i] for i in bucket.indices]
-            if all(grad is None for grad in grads):
-                continue
-            if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
-                bucket.flat.add_(bucket.stage_(grads), alpha=alpha)
-            elif any(grad is None for grad in grads):
-                present = [k for k, grad in enumerate(grads) if grad is not None]
-                foreach_add_([bucket.views[k] for k in present], [grads[k] for k in present], alpha=alpha)
-            else:
-                foreach_add_(bucket.views, grads, alpha=alpha)
+            grads = sources if self._single else [sources[i] for i in bucket.indices]
+            if not any(map(operator.is_, grads, repeat(None))):
+                if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
+                    bucket.flat.add_(bucket.stage_(grads), alpha=alpha)
+                else:
+                    with torch.inference_mode():  # the fused op's per-tensor adds skip autograd's dispatch
+                        foreach_add_(bucket.views, grads, alpha=alpha)
+            elif not all(map(operator.is_, grads, repeat(None))):
+                if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
+                    bucket.flat.add_(bucket.stage_(grads), alpha=alpha)
+                else:
+                    present = [k for k, grad in enumerate(grads) if grad is not None]
+                    foreach_add_([bucket.views[k] for k in present], [grads[k] for k in present], alpha=alpha)
 
     @torch.no_grad()
     def add_finite_(
