@@ -57,13 +57,17 @@ def test_in_place_matches_native_accumulation(dht, zero_grad):
 
 
 @pytest.mark.forked
-def test_in_place_zeroing_a_view_discards_the_epoch_and_unequal_batches_warn_once(dht):
+def test_in_place_zeroing_a_view_is_refused_and_unequal_batches_warn_once(dht):
     model = torch.nn.Linear(3, 2)
     averager = GradientAverager(model.parameters(), dht=dht, prefix="inplace", reuse_grad_buffers=True, start=False)
     x = torch.ones(1, 3)
     model(x).sum().backward()
     averager.accumulate_grads_(batch_size=1)
-    model.zero_grad(set_to_none=False)  # zeroes the accumulator views in place, as native accumulation would
+    model.zero_grad(set_to_none=False)  # zeroes the running sum in place: an edit, refused at the next micro-step
+    model(x).sum().backward()
+    with pytest.raises(ValueError, match=r"edited in place.*reuse_grad_buffers=False"):
+        averager.accumulate_grads_(batch_size=1)
+    averager.reset_accumulated_grads_()  # the averager's own reset starts over
     model(2 * x).sum().backward()
     with pytest.warns(UserWarning, match="weighs every micro-step equally") as record:
         averager.accumulate_grads_(batch_size=3)
@@ -72,8 +76,8 @@ def test_in_place_zeroing_a_view_discards_the_epoch_and_unequal_batches_warn_onc
     assert len(record) == 1
     averager.load_accumulators_into_averager_()
     with averager.get_tensors() as (weight, bias):
-        torch.testing.assert_close(weight, torch.full((2, 3), 5.0 / 3))  # (2 + 3) / 3 micro-steps
-        torch.testing.assert_close(bias, torch.full((2,), 2.0 / 3))
+        torch.testing.assert_close(weight, torch.full((2, 3), 5.0 / 2))  # (2 + 3) / 2 micro-steps
+        torch.testing.assert_close(bias, torch.full((2,), 2.0 / 2))
 
 
 @pytest.mark.forked

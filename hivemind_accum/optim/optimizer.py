@@ -468,8 +468,14 @@ class Optimizer(upstream.Optimizer):
         if set_to_none:
             for param in params:
                 param.grad = None
+            return
+        grads = [param.grad for param in params if param.grad is not None]
+        views = getattr(self.grad_averager, "_grad_views", None) if self.use_gradient_averaging else None
+        if views is None:
+            foreach_zero_(grads)
         else:
-            foreach_zero_([param.grad for param in params if param.grad is not None])
+            with views.own_write(zeroes=True):  # the accumulators' reset, not an edit of the running sum
+                foreach_zero_(grads)
 
     def _make_gradient_averager(self, factory: Optional[GradientAveragerFactory], **kwargs) -> GradientAverager:
         return super()._make_gradient_averager(factory if factory is not None else GradientAverager, **kwargs)
