@@ -165,7 +165,7 @@ def source_package(source: Path) -> Path:
 
 
 def generate(
-    out: Path, upstream_dir: Optional[Path] = None, from_source: bool = False, author: str = DEFAULT_AUTHOR
+    out: Path, upstream_dir: Optional[Path] = None, from_source: bool = False, author: Optional[str] = None
 ) -> List[Patch]:
     """
     Write the patched package, its patch series and its packaging.
@@ -177,7 +177,7 @@ def generate(
       ``1.1.12+accum``; not written with ``from_source``), ``prs/NN-slug/`` (the pull requests for hivemind, each a
       ``git format-patch`` series and its ``description.md``: :mod:`hivemind_accum.upstream.stack`)
     :param upstream_dir: the hivemind package directory to start from (default: the installed one)
-    :param author: "Name <email>", the author of the pull requests' commits
+    :param author: "Name <email>", the author of the pull requests' commits (default: the caller's git identity)
     :param from_source: ``upstream_dir`` is the package directory of a hivemind source tree (e.g. a checkout of
       hivemind's master), of any version: the series is generated against its modules
     :returns: the patches, in series order

@@ -29,7 +29,9 @@ def main(argv=None) -> int:
         "is written: the checkout has its own packaging)",
     )
     parser.add_argument(
-        "--author", default=DEFAULT_AUTHOR, help=f"'Name <email>' for the pull requests' commits (default: {DEFAULT_AUTHOR})"
+        "--author",
+        help=f"'Name <email>' for the pull requests' commits (default: your git user.name and user.email, else "
+        f"{DEFAULT_AUTHOR})",
     )
     args = parser.parse_args(argv)
     try:

@@ -39,8 +39,8 @@ FIXES: Sequence[Fix] = (
             "inverted: without client_mode=, a peer whose DHT is in client mode (behind NAT) keeps "
             "self.client_mode = None, builds averagers in client mode, trains until its first epoch ends and dies in "
             "_update_global_epoch with `ValueError: State sharing priority is unused: averager in client mode cannot "
-            "share its state`; an explicit client_mode is replaced by the DHT's. The docstring says the flag is "
-            "copied from the DHT when not given; this makes it so."
+            "share its state`; an explicit client_mode is replaced by the DHT's. The flag is now copied from the "
+            "DHT only when it is not given."
         ),
         omit=(
             "Optimizer._make_progress_tracker",

@@ -16,7 +16,7 @@ import tempfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from hivemind_accum.upstream.fixes import FIXES, Fix, FixError, apply_fix
 
@@ -80,14 +80,22 @@ FUSED_ACCUMULATION = Edit(
     ),
     new=(
         "            alpha = float(batch_size) / self._anchor_batch_size\n"
-        "            grad_accs = list(self._grad_accumulators())\n"
-        "            grad_bufs = [grad.to(acc.device) for grad, acc in zip(self._grads_from_parameters(), grad_accs)]\n"
-        "            if any(grad.is_sparse for grad in grad_bufs):  # older torch has no sparse _foreach_add_\n"
-        "                for grad_buf, grad_acc in zip(grad_bufs, grad_accs):\n"
-        "                    grad_acc.add_(grad_buf, alpha=alpha)\n"
-        "            else:\n"
-        "                torch._foreach_add_(grad_accs, grad_bufs, alpha=alpha)\n"
+        "            grouped_accs, grouped_bufs = defaultdict(list), defaultdict(list)\n"
+        "            for grad_buf, grad_acc in zip(self._grads_from_parameters(), self._grad_accumulators()):\n"
+        "                if grad_buf.is_sparse or (grad_buf.device, grad_buf.dtype) != (grad_acc.device, grad_acc.dtype):\n"
+        "                    grad_acc.add_(grad_buf.to(grad_acc.device), alpha=alpha)\n"
+        "                else:\n"
+        "                    grouped_accs[grad_acc.device, grad_acc.dtype].append(grad_acc)\n"
+        "                    grouped_bufs[grad_acc.device, grad_acc.dtype].append(grad_buf)\n"
+        "            for key, grad_accs in grouped_accs.items():\n"
+        "                torch._foreach_add_(grad_accs, grouped_bufs[key], alpha=alpha)\n"
     ),
+)
+
+DEFAULTDICT_IMPORT = Edit(
+    path="optim/grad_averager.py",
+    old="import contextlib\n",
+    new="import contextlib\nfrom collections import defaultdict\n",
 )
 
 PULL_REQUESTS: Sequence[PullRequest] = (
@@ -95,13 +103,14 @@ PULL_REQUESTS: Sequence[PullRequest] = (
         "01-fused-accumulation",
         (
             Commit(
-                "GradientAverager: accumulate gradients with one fused op per micro-step",
+                "Use torch._foreach_add_ in GradientAverager.accumulate_grads_",
                 "accumulate_grads_ added each gradient into its accumulator in a Python loop, one add_ per "
-                "parameter tensor: a kernel launch per tensor on a GPU, and time that grows with the number of "
-                "tensors on every no-sync Optimizer.step() (#566). It now makes one torch._foreach_add_ call. The "
-                "values are the same: the same additions, in the same order, with the same alpha. Sparse "
-                "gradients keep the per-tensor add.",
-                (FUSED_ACCUMULATION,),
+                "parameter tensor: a kernel launch per tensor on a GPU on every no-sync Optimizer.step() "
+                "(related to #566). Gradients whose accumulator has the same device and dtype are now added with "
+                "one torch._foreach_add_ per (device, dtype) group, as torch.optim groups its foreach ops. Sparse "
+                "gradients and accumulators on another device (accumulate_grads_on=) keep the per-tensor add. "
+                "The values are the same: the same additions with the same alpha.",
+                (DEFAULTDICT_IMPORT, FUSED_ACCUMULATION),
                 ("tests/test_grad_accumulation.py", "benchmarks/benchmark_no_sync_step.py"),
             ),
         ),
@@ -115,15 +124,11 @@ PULL_REQUESTS: Sequence[PullRequest] = (
         (_fix_commit("Optimizer: do not fail in __del__", "tests/test_optimizer_del.py"),),
     ),
     PullRequest(
-        "04-auxiliary-client-mode-error",
-        (_fix_commit("Optimizer: raise ValueError", "tests/test_optimizer_arguments.py"),),
-    ),
-    PullRequest(
-        "05-grad-scaler-disabled-update",
+        "04-grad-scaler-disabled-update",
         (_fix_commit("GradScaler: make update() a no-op", "tests/test_grad_scaler.py"),),
     ),
     PullRequest(
-        "06-step-control-cancel-order",
+        "05-step-control-cancel-order",
         (_fix_commit("StepControl: mark a round cancelled", "tests/test_step_control.py"),),
     ),
 )
@@ -134,18 +139,20 @@ class StackError(Exception):
 
 
 def write_pull_requests(
-    package_dir: Path, out: Path, author: str = DEFAULT_AUTHOR, pull_requests: Sequence[PullRequest] = PULL_REQUESTS
+    package_dir: Path, out: Path, author: Optional[str] = None, pull_requests: Sequence[PullRequest] = PULL_REQUESTS
 ) -> Dict[str, List[Path]]:
     """
     Write ``out/NN-slug/`` for each pull request: its ``git format-patch`` series and ``description.md``.
 
     :param package_dir: hivemind's package directory (``.../hivemind``) the patches are made against
     :param out: the folder that receives one folder per pull request (replaced if present)
-    :param author: "Name <email>" for the commits
+    :param author: "Name <email>" for the commits; default: the caller's git identity (``git config user.name``,
+      ``user.email``), else DEFAULT_AUTHOR
     :returns: the patch files, by slug
     :raises StackError: an edit does not match hivemind's text, or a prerequisite is unknown
     """
     by_slug = {pr.slug: pr for pr in pull_requests}
+    author = author or _git_identity() or DEFAULT_AUTHOR
     if out.exists():
         shutil.rmtree(out)
     written = {}
@@ -211,6 +218,15 @@ def _commit(repo: Path, env: Dict[str, str], pr: PullRequest, commit: Commit):
 
 def _wrap(text: str) -> str:
     return textwrap.fill(" ".join(text.split()), width=72, break_on_hyphens=False)
+
+
+def _git_identity() -> Optional[str]:
+    """the caller's git identity as "Name <email>", if both are configured"""
+    values = []
+    for key in "user.name", "user.email":
+        result = subprocess.run(["git", "config", key], capture_output=True, text=True)
+        values.append(result.stdout.strip() if result.returncode == 0 else "")
+    return f"{values[0]} <{values[1]}>" if all(values) else None
 
 
 def _git_env(author: str) -> Dict[str, str]:

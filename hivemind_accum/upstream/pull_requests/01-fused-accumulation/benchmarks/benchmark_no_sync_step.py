@@ -12,7 +12,7 @@ from hivemind.optim.optimizer import Optimizer
 
 
 def measure_micro_step(mode: str, num_layers: int, hidden_dim: int, batch_size: int, num_steps: int, warmup: int):
-    """median seconds of one micro-step: backward, then opt.step() unless mode is native"""
+    """median seconds of one micro-step (backward, then opt.step() unless mode is native) and of its opt.step()"""
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = nn.Sequential(*(nn.Linear(hidden_dim, hidden_dim) for _ in range(num_layers)))
@@ -29,19 +29,22 @@ def measure_micro_step(mode: str, num_layers: int, hidden_dim: int, batch_size: 
             reuse_grad_buffers=mode == "reuse_grad_buffers",
         )
     inputs = torch.randn(batch_size, hidden_dim)
-    times = []
-    for step in range(warmup + num_steps):
+    micro_step_times, step_times = [], []
+    for _ in range(warmup + num_steps):
         start = time.perf_counter()
         model(inputs).sum().backward()
+        step_start = time.perf_counter()
         if opt is not None:
             opt.step()
             if mode != "reuse_grad_buffers":
                 opt.zero_grad()
-        times.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        micro_step_times.append(end - start)
+        step_times.append(end - step_start)
     if opt is not None:
         opt.shutdown()
         dht.shutdown()
-    return statistics.median(times[warmup:])
+    return statistics.median(micro_step_times[warmup:]), statistics.median(step_times[warmup:])
 
 
 def _run_in_subprocess(queue, **kwargs):
@@ -62,17 +65,16 @@ if __name__ == "__main__":
     num_tensors = 2 * args["num_layers"]
     num_params = args["num_layers"] * (args["hidden_dim"] + 1) * args["hidden_dim"]
     print(f"{num_tensors} parameter tensors, {num_params / 1e6:.2f}M parameters, median of {args['num_steps']} steps")
-    print(f"{'mode':<20} {'ms per micro-step':>18} {'x native':>9}")
+    print(f"{'mode':<20} {'micro-step, ms':>15} {'x native':>9} {'opt.step(), ms':>15}")
+    context = mp.get_context("fork")  # each mode in a fresh process
     native = None
     for mode in "native", "exact", "reuse_grad_buffers":
-        queue = mp.get_context("fork").Queue()
-        process = mp.get_context("fork").Process(
-            target=_run_in_subprocess, args=(queue,), kwargs=dict(mode=mode, **args)
-        )
+        queue = context.Queue()
+        process = context.Process(target=_run_in_subprocess, args=(queue,), kwargs=dict(mode=mode, **args))
         process.start()
-        seconds = queue.get()
+        micro_step, step = queue.get()
         process.join(timeout=10)
         if process.is_alive():
-            process.kill()  # a background thread of the optimizer can outlive its shutdown()
-        native = seconds if native is None else native
-        print(f"{mode:<20} {seconds * 1000:>18.3f} {seconds / native:>9.2f}")
+            process.kill()  # its optimizer's threads may still be winding down; the result is in
+        native = micro_step if native is None else native
+        print(f"{mode:<20} {micro_step * 1000:>15.3f} {micro_step / native:>9.2f} {step * 1000:>15.3f}")

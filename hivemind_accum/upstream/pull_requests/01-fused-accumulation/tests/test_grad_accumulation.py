@@ -20,29 +20,30 @@ class CountOps(TorchDispatchMode):
 
 
 @pytest.mark.forked
-@pytest.mark.parametrize("num_tensors", [3, 30])
-def test_accumulate_grads_is_one_op_per_micro_step(num_tensors: int):
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 3, (torch.float32,) * 30, (torch.float32, torch.float16) * 15])
+def test_accumulate_grads_is_one_op_per_dtype(dtypes):
     dht = DHT(start=True)
-    model = nn.ParameterList([nn.Parameter(torch.zeros(5)) for _ in range(num_tensors)])
+    model = nn.ParameterList([nn.Parameter(torch.zeros(5, dtype=dtype)) for dtype in dtypes])
     averager = GradientAverager(model.parameters(), dht=dht, prefix="test", reuse_grad_buffers=False, start=False)
     dht.shutdown()  # the averager is not started: accumulate_grads_ runs in this process alone
 
     batch_sizes = [4, 2, 8]
+    reference = [torch.zeros_like(param) for param in model.parameters()]
     for step, batch_size in enumerate(batch_sizes):
         for i, param in enumerate(model.parameters()):
-            param.grad = torch.full_like(param, float(step + i))
+            param.grad = torch.full_like(param, (step + 1) * (i + 1) / 7)
+            # each micro-batch is weighted by its size relative to the first one's
+            reference[i].add_(param.grad, alpha=batch_size / batch_sizes[0])
         with CountOps() as counter:
             averager.accumulate_grads_(batch_size=batch_size)
-        assert counter.ops == ["_foreach_add_"]
+        assert counter.ops == ["_foreach_add_"] * len(set(dtypes))
 
     assert averager.local_samples_accumulated == sum(batch_sizes) and averager.local_times_accumulated == 3
-    for i, accumulator in enumerate(averager._grad_accumulators()):
-        # each micro-batch is weighted by its size relative to the first one's
-        expected = sum((step + i) * batch_size / batch_sizes[0] for step, batch_size in enumerate(batch_sizes))
-        assert torch.equal(accumulator, torch.full((5,), float(expected)))
+    for accumulator, expected in zip(averager._grad_accumulators(), reference):
+        assert accumulator.dtype == expected.dtype and torch.equal(accumulator, expected)
 
     averager.reset_accumulated_grads_()
-    assert all(torch.equal(accumulator, torch.zeros(5)) for accumulator in averager._grad_accumulators())
+    assert all(not accumulator.any() for accumulator in averager._grad_accumulators())
 
 
 @pytest.mark.forked

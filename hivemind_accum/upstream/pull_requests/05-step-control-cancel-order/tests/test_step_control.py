@@ -28,5 +28,6 @@ def _check_cancel_order(control):
 
         setattr(future, method, record_and_signal)
 
-    assert control.cancel() and control.cancelled()
+    cancelled = control.cancel()
+    assert cancelled and control.cancelled()
     assert cancelled_when_signalled == [True, True]
