@@ -145,9 +145,16 @@ def progress_record(dht) -> dict:
 
 
 def top_level_ops(function) -> list:
-    """names of the operators ``function()`` runs that no other operator called, as the profiler records them"""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        function()
+    """names of the operators ``function()`` runs that no other operator called, as the profiler records them; with
+    the cyclic collector off after a collection, so that an object it frees meanwhile (hivemind's StepControl.__del__
+    reads .item()) does not count as the function's"""
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            function()
+    finally:
+        gc.enable()
     return [e.name for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
 
 
