@@ -16,9 +16,11 @@
 #   0. install the wheels if needed; print Python, torch, CUDA, the GPU and its driver; run
 #      check_grad_scaler_internals(); start a hivemind DHT (its p2pd daemon); then the CUDA tests of
 #      tests/test_cost_guards.py and tests/test_mixed_precision.py (-k cuda)
-#   1. what the README's GPU table needs: native, upstream, exact and in place in hivemind#566's setting on ResNet-152,
-#      then on ConvNeXt-Large (python -m benchmarks.sweep --preset report), each worker in its own fresh process
-#   2. upstream reuse_grad_buffers=True on both models, added to the same results (--merge)
+#   1. hivemind#566's own configuration first (exact mode with hivemind.GradScaler: exact_hivemind), then what the
+#      README's GPU table needs: native, upstream, exact and in place in hivemind#566's setting on ResNet-152, then on
+#      ConvNeXt-Large (python -m benchmarks.sweep --preset report), each worker in its own fresh process
+#   2. upstream with hivemind.GradScaler and upstream reuse_grad_buffers=True on both models, added to the same
+#      results (--merge)
 #   3. the pytest-benchmark targets checked on those samples (HIVEMIND_ACCUM_BENCH_RESULTS); a configuration the
 #      results lack is skipped and named
 # The sweep writes OUTDIR/sweep_cuda.{json,md} after every worker; a worker that fails or runs past WORKER_TIMEOUT
@@ -42,7 +44,7 @@ failed=()
 check() { [ "$1" -eq 0 ] || failed+=("$2 (exit status $1)"); }
 
 # seconds per stage; 0 skips it. The GPU run's add to at most 480 (one command of 8 minutes), --quick's to at most 160
-declare -A GPU_LIMIT=([install]=60 [environment]=40 [tests]=90 [readme]=200 [reuse]=50 [targets]=40)
+declare -A GPU_LIMIT=([install]=50 [environment]=40 [tests]=70 [readme]=210 [reuse]=70 [targets]=40)
 declare -A QUICK_LIMIT=([install]=30 [environment]=30 [tests]=0 [readme]=100 [reuse]=0 [targets]=0)
 sum() { local -n limits=$1; local total=0 key; for key in "${!limits[@]}"; do total=$(( total + limits[$key] )); done; echo $total; }
 [ "$(sum GPU_LIMIT)" -le 480 ] && [ "$(sum QUICK_LIMIT)" -le 160 ] || {
@@ -107,13 +109,13 @@ sweep() {  # sweep LIMIT_KEY IMPLS... [--merge]: one sweep stage into OUTDIR/swe
     --rounds "$ROUNDS" --steps "$STEPS" --windows "$WINDOWS" --warmup "$WARMUP" --threads "$THREADS" \
     --worker-timeout "$WORKER_TIMEOUT" --output-dir "$OUT" --name "sweep_$DEVICE" --impls "$@"
 }
-stage "1. the README table: native, upstream, exact, in place on $DEVICE: $MODELS"
-sweep readme native upstream exact inplace
+stage "1. hivemind#566's configuration (exact_hivemind), then the README table: native, upstream, exact, in place on $DEVICE: $MODELS"
+sweep readme exact_hivemind native upstream exact inplace
 status=$?; echo "sweep exit status: $status"; check $status "1. README table sweep"
 
 if [ "${LIMIT[reuse]}" -gt 0 ]; then
-  stage "2. upstream reuse_grad_buffers=True on $DEVICE: $MODELS"
-  sweep reuse upstream_reuse --merge
+  stage "2. upstream with hivemind.GradScaler, upstream reuse_grad_buffers=True on $DEVICE: $MODELS"
+  sweep reuse upstream_hivemind upstream_reuse --merge
   status=$?; echo "sweep exit status: $status"; check $status "2. upstream_reuse sweep"
 fi
 

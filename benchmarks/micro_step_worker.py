@@ -12,6 +12,8 @@ object (times in seconds, memory in bytes). Implementations:
   upstream's ``.grad`` buffers);
 - ``exact``: ``hivemind_accum.Optimizer`` (``reuse_grad_buffers=False``), same loop as upstream;
 - ``inplace``: ``hivemind_accum.Optimizer(reuse_grad_buffers=True)``, no ``zero_grad``;
+- ``exact_hivemind`` and ``upstream_hivemind``: ``exact`` and ``upstream`` with ``hivemind.GradScaler`` under fp16:
+  hivemind#566's own configuration (docs/gpu.md), which ``benchmarks/gpu_run.sh`` measures first;
 - ``native_hivemind`` (a control, not in the sweep's default set): native accumulation in a process that also holds a
   started ``hivemind_accum.Optimizer`` (exact mode, never stepped): what hivemind's presence alone costs a micro-step.
 
@@ -58,9 +60,10 @@ import torch
 from benchmarks.models import build_model, make_inputs
 
 IMPLEMENTATIONS = ("native", "upstream", "exact", "inplace")
-REPORT_IMPLEMENTATIONS = ("native", "upstream", "upstream_reuse", "exact", "inplace")
+REPORT_IMPLEMENTATIONS = ("native", "upstream", "upstream_reuse", "exact", "inplace", "exact_hivemind", "upstream_hivemind")
 CONTROLS = ("native_hivemind",)
 IN_PLACE_LOOPS = ("upstream_reuse", "inplace")  # no zero_grad: autograd accumulates into .grad; hivemind.GradScaler
+HIVEMIND_SCALER = IN_PLACE_LOOPS + ("exact_hivemind", "upstream_hivemind")  # under fp16
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEVICES = ("cpu", "cuda")
 # hivemind#566's setting: batch 32 of 224x224 images, fp16 AMP, target 32768 samples
@@ -138,7 +141,7 @@ def run(
             reuse_grad_buffers=impl in IN_PLACE_LOOPS, matchmaking_time=5.0, **report_configuration(),
         )
     scaler = None
-    if precision == "fp16" and impl in IN_PLACE_LOOPS:
+    if precision == "fp16" and impl in HIVEMIND_SCALER:
         import hivemind
 
         scaler = hivemind.GradScaler(device)
@@ -148,7 +151,7 @@ def run(
 
     def micro_step(timings: Optional[list] = None, during_step=None):
         inputs = make_inputs(model_name, batch_size, generator, image_size=image_size, device=device)
-        if impl in ("upstream", "exact"):
+        if impl in ("upstream", "exact", "upstream_hivemind", "exact_hivemind"):
             opt.zero_grad()
         with torch.autocast(device, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
             loss = model(inputs).float().square().mean()

@@ -203,10 +203,11 @@ def plot(rows: List[dict], output_dir: str, title_suffix: str) -> List[str]:
     import matplotlib.pyplot as plt
 
     paths = []
-    colors = dict(zip(REPORT_IMPLEMENTATIONS, ("tab:gray", "tab:red", "tab:orange", "tab:blue", "tab:green")))
+    colors = dict(zip(REPORT_IMPLEMENTATIONS, ("tab:gray", "tab:red", "tab:orange", "tab:blue",
+                                                "tab:green", "tab:purple", "tab:brown")))
     order = [impl for impl in REPORT_IMPLEMENTATIONS if any(r["impl"] == impl for r in rows)]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for impl in order[1:]:
+    for impl in (impl for impl in order if impl != "native"):
         points = sorted((r["params_m"], r["no_sync_step_ms"]) for r in rows if r["impl"] == impl and r["no_sync_step_ms"])
         if points:
             ax.plot(*zip(*points), marker="o", label=impl, color=colors[impl])
