@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAverager
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hivemind_accum
 from hivemind_accum import GradientAverager
@@ -23,21 +22,9 @@ from tests.conftest import (
     without_cyclic_gc,
 )
 from tests.test_grad_scaler import BATCH, EPOCHS, LR, MICRO_STEPS, SCALE, make_model
+from tests.upstream_checks import HostReads  # counts aten::_local_scalar_dense: .item(), float(), bool(), .tolist()
 
 LOSS_SCALING_PATHS = ["host_check", "device_check"]  # GradientBuckets.add_finite_'s two paths
-
-
-class HostReads(TorchDispatchMode):
-    """counts the host reads of a tensor's value dispatched in this thread while active (``.item()``, ``float()``,
-    ``bool()``, ``.tolist()`` all dispatch ``aten::_local_scalar_dense``, which synchronizes with an accelerator)"""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
 
 
 def force_loss_scaling_path(path: str) -> None:
