@@ -29,6 +29,14 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
 
     keep_local_fallback = False
 
+    def __init__(self, *args, averaged_grads_dtype: torch.dtype = torch.float32, **kwargs):
+        """upstream's arguments; fp16/bf16 gradients are averaged in float32 (upstream's PowerSGD fails on them in
+        their own dtype, hivemind#545): ``averaged_grads_dtype`` accepts only ``torch.float32``"""
+        if averaged_grads_dtype != torch.float32:
+            raise ValueError(f"averaged_grads_dtype: PowerSGD averages in torch.float32, got {averaged_grads_dtype!r}")
+        self.averaged_grads_dtype = averaged_grads_dtype  # read by upstream's __init__ (_grads_from_parameters) first
+        super().__init__(*args, averaged_grads_dtype=averaged_grads_dtype, **kwargs)
+
     @torch.no_grad()
     def load_accumulators_into_averager_(self):
         """:meth:`GradientAverager.load_accumulators_into_averager_`, after :meth:`discard_nonfinite_round_`: this

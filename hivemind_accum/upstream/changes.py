@@ -94,8 +94,8 @@ layout of PyTorch DDP's gradient_as_bucket_view):
   (p.grad = f(p.grad)) raises a ValueError naming the parameter; Optimizer.zero_grad is allowed in this mode.
 
 The averaging-time load is one scaled copy per bucket into the averager's shared buffers, which are flat as well.
-The averaged buffers are float32 for fp16/bf16 parameters, so the optimizer creates a missing .grad in the
-parameter's dtype before copying into it. Fused ops go through optim/torch_internals.py, which falls back to one op
+The averaged buffers keep the parameters' dtype (averaged_grads_dtype=torch.float32 makes them float32 for fp16/bf16
+parameters; the optimizer then creates a missing .grad in the parameter's dtype before copying into it). Fused ops go through optim/torch_internals.py, which falls back to one op
 per sparse tensor where a torch release has no sparse kernel.
 
 Measured on a CPU (2 cores, fp32, medians of the no-sync step): ResNet-152 34.2 ms before, 31.6 ms with
@@ -104,9 +104,9 @@ reuse_grad_buffers=False, 0.56 ms with reuse_grad_buffers=True; ConvNeXt-Large 1
 benchmarks/sweep.py and main job). On an accelerator each avoided kernel launch saves its launch latency as well.
 
 What changes for users: parameters must be dense floating-point tensors, each listed once, and averaged_grads, if
-given, one CPU tensor per parameter of its shape (a ValueError names the offending position otherwise). The averaged
-tensors of fp16/bf16 parameters are float32, so the averager's schema hash differs and such peers do not join rounds
-with peers of earlier versions. The fused ops need torch 2.3 or newer (torch._foreach_copy_ and torch.amp), above
+given, one CPU tensor per parameter of its shape (a ValueError names the offending position otherwise). With
+averaged_grads_dtype=torch.float32 the averaged tensors of fp16/bf16 parameters are float32, so the averager's schema
+hash differs and such peers join rounds only with peers that set it too (a WARNING says so, once). The fused ops need torch 2.3 or newer (torch._foreach_copy_ and torch.amp), above
 requirements.txt's torch>=1.9.0.
 """,
     enters=("torch_internals", "grad_buckets", "grad_views", "grad_averager", "optimizer"),
