@@ -17,10 +17,11 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.kernel_launches import multi_tensor_launches
+import hivemind_accum
 from hivemind_accum import GradientAverager
 from hivemind_accum.optim import torch_internals
 from hivemind_accum.optim.grad_buckets import GradientBuckets
-from tests.conftest import DEVICES, NEEDS_CUDA
+from tests.conftest import DEVICES, NEEDS_CUDA, SINGLE_PEER_TRACKER
 from tests.test_mixed_precision import force_loss_scaling_path
 
 
@@ -105,6 +106,33 @@ def test_exact_mode_cost_is_one_fused_op(dht, device):
     cost = no_sync_step_cost(GradientAverager(model.parameters(), dht=dht, prefix="guard", start=False), model)
     assert cost.top_level_ops == 1  # one _foreach_add_ for the single (device, float32) bucket
     assert (cost.kernels >= 1) == (device == "cuda")  # at most 2 multi-tensor launches for 128 tiny tensors, see above
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True], ids=["exact", "in_place"])
+def test_optimizer_no_sync_step_dispatches_a_fixed_number_of_ops(dht, reuse_grad_buffers):
+    """the whole no-sync ``hivemind_accum.Optimizer.step()``, as the floor-cost benchmark runs it, on 40 and 400
+    tensors: exact mode dispatches the fused add and nothing else, in place nothing"""
+    dispatched = {}
+    for num_layers in (20, 200):
+        model = make_model(num_layers, width=16)
+        opt = hivemind_accum.Optimizer(
+            dht=dht, run_id=f"ops_{num_layers}", params=model.parameters(), target_batch_size=10**9,
+            batch_size_per_step=4, optimizer=lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+            reuse_grad_buffers=reuse_grad_buffers, tracker_opts=SINGLE_PEER_TRACKER,
+        )
+        try:
+            for step in range(4):
+                if not reuse_grad_buffers:
+                    opt.zero_grad()
+                model(torch.randn(4, 16)).square().mean().backward()
+                with DispatchedOps() as ops:
+                    opt.step()
+            dispatched[2 * num_layers] = ops.ops
+        finally:
+            opt.shutdown()
+    expected = ["aten._foreach_add_.List"] if not reuse_grad_buffers else []
+    assert dispatched == {40: expected, 400: expected}, dispatched
 
 
 @pytest.mark.forked

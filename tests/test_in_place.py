@@ -6,8 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from hivemind_accum import GradientAverager
-from tests.conftest import MixedNet, mixed_batch, shutting_down, swarm
+from hivemind_accum.optim.local_fallback import LocalFallback
+from tests.conftest import DEVICES, MixedNet, mixed_batch, shutting_down, swarm
 
 
 def native_accumulation(model, batches, use_sometimes):
@@ -54,13 +57,17 @@ def test_in_place_matches_native_accumulation(dht, zero_grad):
 
 
 @pytest.mark.forked
-def test_in_place_zeroing_a_view_discards_the_epoch_and_unequal_batches_warn_once(dht):
+def test_in_place_zeroing_a_view_is_refused_and_unequal_batches_warn_once(dht):
     model = torch.nn.Linear(3, 2)
     averager = GradientAverager(model.parameters(), dht=dht, prefix="inplace", reuse_grad_buffers=True, start=False)
     x = torch.ones(1, 3)
     model(x).sum().backward()
     averager.accumulate_grads_(batch_size=1)
-    model.zero_grad(set_to_none=False)  # zeroes the accumulator views in place, as native accumulation would
+    model.zero_grad(set_to_none=False)  # zeroes the running sum in place: an edit, refused at the next micro-step
+    model(x).sum().backward()
+    with pytest.raises(ValueError, match=r"edited in place.*reuse_grad_buffers=False"):
+        averager.accumulate_grads_(batch_size=1)
+    averager.reset_accumulated_grads_()  # the averager's own reset starts over
     model(2 * x).sum().backward()
     with pytest.warns(UserWarning, match="weighs every micro-step equally") as record:
         averager.accumulate_grads_(batch_size=3)
@@ -69,8 +76,8 @@ def test_in_place_zeroing_a_view_discards_the_epoch_and_unequal_batches_warn_onc
     assert len(record) == 1
     averager.load_accumulators_into_averager_()
     with averager.get_tensors() as (weight, bias):
-        torch.testing.assert_close(weight, torch.full((2, 3), 5.0 / 3))  # (2 + 3) / 3 micro-steps
-        torch.testing.assert_close(bias, torch.full((2,), 2.0 / 3))
+        torch.testing.assert_close(weight, torch.full((2, 3), 5.0 / 2))  # (2 + 3) / 2 micro-steps
+        torch.testing.assert_close(bias, torch.full((2,), 2.0 / 2))
 
 
 @pytest.mark.forked
@@ -175,3 +182,53 @@ def test_in_place_grad_computed_from_the_running_sum_is_refused(dht):
     model.bias.grad = model.bias.grad * 0.5
     with pytest.raises(ValueError, match=r"parameters\[1\] \(shape \(2,\)\).*reuse_grad_buffers=False"):
         averager.accumulate_grads_(batch_size=1)
+
+
+class _HostCopies(TorchDispatchMode):
+    """records (non_blocking, destination pinned) of each copy_ into host memory from another device"""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type != "cpu":
+            self.copies.append((bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)),
+                                args[0].is_pinned()))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("device", DEVICES)
+def test_unsettled_round_is_copied_out_inside_backward_without_blocking_on_cuda(dht, device, monkeypatch):
+    """a round still unsettled when the next backward begins (delayed averaging): a hook inside that backward copies
+    its gradients to host memory, from CUDA into pinned memory with non_blocking=True (the host copy is waited for
+    when it is read); the fallback then loads the round's gradients"""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).to(device)
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="copy_out", reuse_grad_buffers=True, start=False)
+    for _ in range(2):
+        model(torch.randn(2, 4, device=device)).square().mean().backward()
+        averager.accumulate_grads_(2)
+    expected = [acc.detach().cpu() / 2 for acc in averager._grad_accumulators()]
+    averager.load_accumulators_into_averager_()
+    averager._accumulators_used_in_step = True  # as GradientAverager.step leaves it once a round began
+    averager.reset_accumulated_grads_()  # the round's gradients stay in .grad until the round is settled
+    seen = []
+    copy_out = LocalFallback._copy_out_
+
+    def recording_copy_out(self, host, scale):
+        with _HostCopies() as copies:
+            copy_out(self, host, scale)
+        seen.append((torch._C._current_graph_task_id() != -1, copies.copies))
+
+    monkeypatch.setattr(LocalFallback, "_copy_out_", recording_copy_out)
+    model(torch.randn(2, 4, device=device)).square().mean().backward()
+    assert len(seen) == 1 and seen[0][0], seen  # once, inside the backward pass
+    buckets = len(averager._accumulators.buckets)
+    assert seen[0][1] == ([(True, True)] * buckets if device == "cuda" else []), seen  # the CPU: torch.mul(out=)
+    loaded = [torch.zeros_like(e) for e in expected]
+    assert averager.local_fallback.load_into_(loaded)
+    for got, want in zip(loaded, expected, strict=True):
+        assert want.abs().sum() > 0
+        torch.testing.assert_close(got, want)

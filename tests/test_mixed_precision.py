@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAverager
-from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hivemind_accum
 from hivemind_accum import GradientAverager
@@ -25,8 +25,20 @@ from tests.conftest import (
 )
 from tests.test_grad_scaler import BATCH, EPOCHS, LR, MICRO_STEPS, SCALE, make_model
 
-SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero")  # what .item() / bool(tensor) launch
 LOSS_SCALING_PATHS = ["host_check", "device_check"]  # GradientBuckets.add_finite_'s two paths
+
+
+class HostReads(TorchDispatchMode):
+    """counts the host reads of a tensor's value dispatched in this thread while active (``.item()``, ``float()``,
+    ``bool()``, ``.tolist()`` all dispatch ``aten::_local_scalar_dense``, which synchronizes with an accelerator)"""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
 
 
 def force_loss_scaling_path(path: str) -> None:
@@ -210,7 +222,7 @@ def native_reference(drop: str, overflow=frozenset()):
 
 
 def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivemind_accum.Optimizer, path=None,
-           growth_interval=2000, unscale=False):
+           growth_interval=2000, unscale=False, call="scaler.step(opt)"):
     if path is not None:
         force_loss_scaling_path(path)
     model = make_model()
@@ -235,30 +247,28 @@ def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivem
         loaded[opt.local_epoch] = opt.grad_averager.local_samples_accumulated, opt.grad_averager.local_times_accumulated
 
     opt.grad_averager.load_accumulators_into_averager_ = recording_load
-    sync_ops, scales, in_epoch = [], [], 0
+    host_reads, scales, in_epoch = [], [], 0
     try:
         for step, (x, y) in enumerate(make_batches(EPOCHS * MICRO_STEPS + (0 if reuse_grad_buffers else len(overflow)))):
-            if not reuse_grad_buffers:
-                opt.zero_grad()
-            scaler.scale(loss_fn(model, x, y, step, overflow)).backward()
-            if unscale:  # before clipping, say
-                scaler.unscale_(opt)
             epoch = opt.local_epoch
-            with without_cyclic_gc(), profile(activities=[ProfilerActivity.CPU]) as prof:
-                if scaler_kind == "torch_disabled":
+            with without_cyclic_gc(), HostReads() as reads:  # the whole loop, as a user writes it
+                if not reuse_grad_buffers:
+                    opt.zero_grad()
+                scaler.scale(loss_fn(model, x, y, step, overflow)).backward()
+                if unscale:  # before clipping, say
+                    scaler.unscale_(opt)
+                if call == "opt.step(grad_scaler=scaler)" or scaler_kind == "torch_disabled":
                     opt.step(grad_scaler=scaler)
                 else:
                     scaler.step(opt)
-                if scaler_kind in ("torch", "torch_disabled"):
+                if scaler_kind != "hivemind_no_device":  # update() of a disabled hivemind.GradScaler raises (the test)
                     scaler.update()
-            if scaler_kind == "hivemind":
-                scaler.update()  # hivemind.GradScaler.update reads the overflow flag on the host (upstream code)
-            # (hivemind_no_device: update() of a disabled hivemind.GradScaler raises, see the test)
             if in_epoch + 1 < MICRO_STEPS:  # cannot be the end of an epoch: a no-sync step
-                sync_ops.append(sum(1 for e in prof.events() if e.name in SYNC_OPS))
+                host_reads.append(reads.count)
             in_epoch = 0 if opt.local_epoch != epoch else in_epoch + 1
             scales.append(scaler.get_scale())
-        send_by_value(queue, (opt.local_epoch, [p.detach().clone() for p in model.parameters()], loaded, sync_ops, scales))
+        send_by_value(queue, (opt.local_epoch, [p.detach().clone() for p in model.parameters()], loaded, host_reads,
+                              scales))
     except Exception as e:
         send_by_value(queue, e)
     finally:
@@ -267,13 +277,15 @@ def _train(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls=hivem
 
 
 def train(scaler_kind: str, reuse_grad_buffers: bool, overflow=frozenset(), optimizer_cls=hivemind_accum.Optimizer,
-          path=None, growth_interval=2000, unscale=False):
+          path=None, growth_interval=2000, unscale=False, call="scaler.step(opt)"):
     """train one peer in a fresh process; ``path`` forces add_finite_'s loss-scaling path (None: its own choice);
-    ``unscale``: the loop calls ``scaler.unscale_(opt)`` after every backward"""
+    ``unscale``: the loop calls ``scaler.unscale_(opt)`` after every backward; ``call``: how the loop steps. Returns
+    the epoch reached, the parameters, the (samples, micro-steps) loaded per epoch, the host reads of each no-sync
+    micro-step's whole loop (zero_grad to update) and the scale after each micro-step"""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     process = ctx.Process(target=_train, args=(scaler_kind, reuse_grad_buffers, overflow, queue, optimizer_cls, path,
-                                               growth_interval, unscale))
+                                               growth_interval, unscale, call))
     process.start()
     result = receive_by_value(queue, timeout=120)
     process.join(timeout=60)
@@ -294,19 +306,19 @@ def test_exact_mode_drops_only_the_overflowing_micro_steps(overflow):
     reads the overflow decision on the host, where it costs nothing"""
     runs = {path: train("torch", reuse_grad_buffers=False, overflow=overflow, path=path) for path in LOSS_SCALING_PATHS}
     expected, _ = native_reference(drop="micro_step", overflow=overflow)
-    for path, (epoch, params, loaded, sync_ops, scales) in runs.items():
+    for path, (epoch, params, loaded, host_reads, scales) in runs.items():
         assert epoch == EPOCHS, path
         assert loaded == {epoch: (MICRO_STEPS * BATCH, MICRO_STEPS) for epoch in range(EPOCHS)}, path
         for ours, ref in zip(params, expected, strict=True):
             torch.testing.assert_close(ours, ref)
         assert scales[min(overflow)] == SCALE / 2 and scales[-1] == SCALE / 2 ** len(overflow), path  # backed off
-        assert len(sync_ops) >= EPOCHS * (MICRO_STEPS - 1), path
+        assert len(host_reads) >= EPOCHS * (MICRO_STEPS - 1), path
     for host, device in zip(runs["host_check"][1], runs["device_check"][1], strict=True):
         torch.testing.assert_close(host, device, rtol=0, atol=0)
     assert runs["device_check"][3] == [0] * len(runs["device_check"][3])
-    # the host path reads once per no-sync step, the decision and the unscale factor together: one .item() (aten::item
-    # and aten::_local_scalar_dense), as many as upstream's overflow check
-    assert runs["host_check"][3] == [2] * len(runs["host_check"][3])
+    # the host path reads once per no-sync step, the decision and the unscale factor together: one .item(), where
+    # upstream reads the overflow flag once
+    assert runs["host_check"][3] == [1] * len(runs["host_check"][3])
 
 
 @pytest.mark.forked
@@ -416,7 +428,7 @@ def test_upstream_exact_mode_with_hivemind_grad_scaler_steps_with_scaled_gradien
 @pytest.mark.forked
 def test_in_place_mode_drops_the_overflowing_epoch_like_native():
     overflow = frozenset({2})
-    epoch, params, loaded, sync_ops, scales = train("hivemind", reuse_grad_buffers=True, overflow=overflow)
+    epoch, params, loaded, host_reads, scales = train("hivemind", reuse_grad_buffers=True, overflow=overflow)
     expected, expected_scale = native_reference(drop="epoch", overflow=overflow)
     assert epoch == EPOCHS
     full = (MICRO_STEPS * BATCH, MICRO_STEPS)
@@ -424,14 +436,48 @@ def test_in_place_mode_drops_the_overflowing_epoch_like_native():
     for ours, ref in zip(params, expected, strict=True):
         torch.testing.assert_close(ours, ref)
     assert scales[-1] == expected_scale == SCALE / 2
-    assert sync_ops == [0] * len(sync_ops) and len(sync_ops) == EPOCHS * (MICRO_STEPS - 1)
+    assert host_reads == [0] * len(host_reads) and len(host_reads) == EPOCHS * (MICRO_STEPS - 1)
+
+
+class ReadsOnTheHost(Exception):
+    """a no-sync micro-step's loop read a tensor's value on the host (not an AssertionError: an xfail that expects
+    this one fails on any other)"""
+
+
+UPSTREAM_READS = pytest.mark.xfail(
+    strict=True, raises=ReadsOnTheHost,
+    reason="hivemind 1.1.12 reads the overflow flag on the host twice per no-sync micro-step: are_grads_finite and "
+           "GradScaler.update",
+)
 
 
 @pytest.mark.forked
-def test_sync_guard_sees_upstreams_per_micro_step_overflow_check():
-    """the guard above is not vacuous: upstream's no-sync step reads the overflow flag on the host every micro-step"""
-    *_, sync_ops, _ = train("hivemind", reuse_grad_buffers=True, overflow=frozenset({2}), optimizer_cls=hivemind.Optimizer)
-    assert all(count >= 1 for count in sync_ops) and len(sync_ops) >= MICRO_STEPS - 1
+@pytest.mark.parametrize("call", ["scaler.step(opt)", "opt.step(grad_scaler=scaler)"])
+@pytest.mark.parametrize("optimizer_cls, scaler_kind, reuse_grad_buffers", [
+    (hivemind_accum.Optimizer, "torch", False),
+    (hivemind_accum.Optimizer, "hivemind", False),
+    (hivemind_accum.Optimizer, "hivemind", True),
+    pytest.param(hivemind.Optimizer, "hivemind", False, marks=UPSTREAM_READS),
+    pytest.param(hivemind.Optimizer, "hivemind", True, marks=UPSTREAM_READS),
+], ids=["exact-torch", "exact-hivemind", "in_place-hivemind", "upstream-exact-hivemind", "upstream-in_place-hivemind"])
+def test_amp_loop_reads_nothing_on_the_host_per_no_sync_micro_step(optimizer_cls, scaler_kind, reuse_grad_buffers,
+                                                                    call):
+    """the whole loop (zero_grad in exact mode, scale(loss).backward(), the step, update()) of every no-sync
+    micro-step, an overflowing one included, with the loss-scaling path an accelerator takes (forced on the CPU): no
+    host read; the scale still backs off after the overflow. hivemind 1.1.12 reads twice (pinned: the xfail expects
+    exactly 2 per micro-step)"""
+    overflow = frozenset({2})  # a no-sync micro-step of the first epoch
+    epoch, _, _, host_reads, scales = train(scaler_kind, reuse_grad_buffers, overflow=overflow,
+                                            optimizer_cls=optimizer_cls, path="device_check", call=call)
+    if optimizer_cls is hivemind.Optimizer:  # whose epochs may run longer: an overflow resets in-place accumulation
+        assert host_reads == [2] * len(host_reads) and len(host_reads) >= MICRO_STEPS - 1
+    else:
+        assert epoch == EPOCHS and len(host_reads) >= EPOCHS * (MICRO_STEPS - 1)
+        assert scales[1] == SCALE and scales[-1] == SCALE / 2
+        if not reuse_grad_buffers:  # in place the overflow is found, and the scale backs off, at the epoch's end
+            assert scales[2] == SCALE / 2
+    if any(host_reads):
+        raise ReadsOnTheHost(f"host reads per no-sync micro-step: {host_reads}")
 
 
 @pytest.mark.forked

@@ -38,7 +38,7 @@ PATCH_CHECKS = {
     "StepControl: mark a round cancelled": ["cancel_order"],
     "Accumulate gradients in flat buffers": ["exact_mode", "in_place_mode", "no_sync_accumulation", "no_sync_step"],
     "ProgressTracker": ["progress_record"],
-    "Loss scaling": ["scaled_micro_steps"],
+    "Loss scaling": ["scaled_micro_steps", "amp_host_reads"],
     "failed round falls back": ["failed_round"],
     "Keep inf and NaN out": ["nonfinite_round"],
     "clear errors for bad arguments": ["constructor_checks"],
@@ -275,6 +275,11 @@ def _claim_scaled_micro_steps(patched):
         torch.testing.assert_close(scaled, reference, rtol=0, atol=0)  # a power-of-two scale: bit-identical
 
 
+def _claim_amp_host_reads(patched):
+    assert patched["amp_host_reads"] == [0, 0, 0]  # the whole AMP loop of each no-sync micro-step
+    assert patched["amp_scales"] == [2.0**10, 2.0**9, 2.0**9] and patched["amp_epoch"] == 0  # backed off at once
+
+
 def _claim_nonfinite_round(patched):
     assert patched["nonfinite_samples"] == 0  # then step() joins the round with weight 0
     assert all(torch.count_nonzero(t) == 0 for t in patched["nonfinite_loaded"])  # peers receive zeros
@@ -317,6 +322,7 @@ CLAIMS = {
     "disabled_grad_scaler": _claim_disabled_grad_scaler, "constructor_checks": _claim_constructor_checks,
     "scaled_micro_steps": _claim_scaled_micro_steps, "nonfinite_round": _claim_nonfinite_round,
     "progress_record": _claim_progress_record, "cancel_order": _claim_cancel_order,
+    "amp_host_reads": _claim_amp_host_reads,
 }
 
 
@@ -374,6 +380,12 @@ def test_failed_round_falls_back_to_local_gradients(behaviour):
 def test_loss_scaled_micro_steps_drop_only_the_overflowing_one(behaviour):
     _claim_scaled_micro_steps(behaviour["patched"])
     assert behaviour["upstream"]["scaled"] is None  # upstream's accumulate_grads_ takes no inv_grad_scale
+
+
+def test_amp_loop_reads_nothing_on_the_host_per_no_sync_micro_step(behaviour):
+    """exact mode with hivemind.GradScaler, the accelerator's path forced on the CPU"""
+    _claim_amp_host_reads(behaviour["patched"])
+    assert behaviour["upstream"]["amp_host_reads"] == [2, 2, 2]  # are_grads_finite and GradScaler.update
 
 
 def test_nonfinite_gradients_reach_peers_as_zeros_with_weight_zero(behaviour):

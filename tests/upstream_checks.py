@@ -6,6 +6,7 @@ are used (``hivemind.Optimizer``, ``hivemind.optim.grad_averager.GradientAverage
 Usage: ``python tests/upstream_checks.py RESULTS_FILE [CHECK ...]`` (default: every check in ``CHECKS``); writes a
 dict of tensors and counts with ``torch.save``.
 """
+import contextlib
 import gc
 import importlib
 import importlib.util
@@ -18,6 +19,7 @@ import hivemind
 import torch
 from hivemind.optim.grad_averager import GradientAverager
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 BATCH_SIZES = (3, 5, 2, 4)  # several micro-steps of different sizes (exact mode weighs them by batch size)
 # a single peer whose progress tracker never re-fetches the swarm's progress during the check (see tests/conftest.py)
@@ -182,6 +184,52 @@ def no_sync_step(dht) -> dict:
         opt.shutdown()
 
 
+class HostReads(TorchDispatchMode):
+    """counts ``aten::_local_scalar_dense`` (``.item()`` and the like: a host read) dispatched in this thread"""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def amp_host_reads(dht) -> dict:
+    """host reads of each of three no-sync micro-steps' loop (zero_grad, scale(loss).backward(), scaler.step(opt),
+    update()) with hivemind.GradScaler in exact mode, the second micro-step overflowing, and the scale after each; the
+    loss-scaling path an accelerator takes, forced on the CPU where the tree has one"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    opt = hivemind.Optimizer(
+        dht=dht, run_id="amp_reads", params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        target_batch_size=10**9, batch_size_per_step=2, tracker_opts=SINGLE_PEER_TRACKER,
+    )
+    scaler = hivemind.GradScaler("cpu", init_scale=2.0**10)
+    buckets = sys.modules.get("hivemind.optim.grad_buckets")
+    forced = (mock.patch.object(buckets, "_host_check_is_free", lambda _: False)
+              if hasattr(buckets, "_host_check_is_free") else contextlib.nullcontext())
+    reads, scales = [], []
+    try:
+        with forced:
+            for step in range(4):
+                gc.collect()  # a collected StepControl reads its state on the host in __del__
+                with HostReads() as counted:
+                    opt.zero_grad()
+                    generator = torch.Generator().manual_seed(step)
+                    loss = model(torch.randn(2, 6, generator=generator)).square().mean()
+                    scaler.scale(loss * (float("inf") if step == 2 else 1.0)).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                if step:  # the first micro-step runs the first use's checks of torch's private interfaces
+                    reads.append(counted.count)
+                    scales.append(scaler.get_scale())
+        return dict(amp_host_reads=reads, amp_scales=scales, amp_epoch=opt.local_epoch)
+    finally:
+        opt.shutdown()
+
+
 def failed_round(dht) -> dict:
     """what hivemind.Optimizer would step with after a round that began and then failed: alone in the swarm, with a
     target group of two, the round's matchmaking always fails"""
@@ -326,7 +374,7 @@ CHECKS = {
     for check in (
         exact_mode, in_place_mode, no_sync_accumulation, no_sync_step, failed_round, client_mode, failed_constructor,
         client_mode_with_auxiliary, disabled_grad_scaler, constructor_checks, scaled_micro_steps, nonfinite_round,
-        progress_record, cancel_order, imports,
+        progress_record, cancel_order, amp_host_reads, imports,
     )
 }
 

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
@@ -23,7 +24,7 @@ import hivemind_accum
 from benchmarks.main_job.claims import loaded, machine_load, make_claims
 from benchmarks.main_job.common import LEGEND, SECTIONS
 from benchmarks.main_job.report import (
-    TRAINING_COLUMNS, WORK_COLUMNS, count_log_errors, describe_logs, format_claims, format_table,
+    WIDTH, claims_section, count_log_errors, describe_logs, load_line, training_section, work_section,
 )
 from benchmarks.main_job.training import TrainConfig, run_label, run_native, run_peers, summarize_training
 from benchmarks.main_job.work import WorkConfig, run_work
@@ -84,17 +85,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def progress_printer(verbose: bool) -> Callable[[str], None]:
     """``--verbose``: progress lines on stdout; otherwise one status line on a terminal's stderr, overwritten, or,
     where stderr is not a terminal, the first line of each section (``[work]``, ``[peers]``, ...) on stdout"""
+    def wrapped(line: str) -> None:
+        print(textwrap.fill(line, WIDTH, subsequent_indent="  ", break_on_hyphens=False), flush=True)
+
     if verbose:
-        return lambda line: print(line, flush=True)
+        return wrapped
     if sys.stderr.isatty():
-        return lambda line: print(f"\r\033[K{line[:119]}", end="", file=sys.stderr, flush=True)
+        return lambda line: print(f"\r\033[K{line[:WIDTH - 1]}", end="", file=sys.stderr, flush=True)
     sections = set()
 
     def first_of_each_section(line: str) -> None:
         section = line.split("]")[0] + "]" if line.startswith("[") else None
         if section is not None and section not in sections:
             sections.add(section)
-            print(line, flush=True)
+            wrapped(line)
 
     return first_of_each_section
 
@@ -166,16 +170,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         load["after_work"] = machine_load()
         seconds["work"] = time.perf_counter() - started
         progress("")
-        print(f"\nWork per no-sync micro-step, one process per mode in turn ({work_rows[0]['params'] / 1e6:.1f} M "
-              f"parameters in {work_rows[0]['tensors']} tensors; fp32 unless fp16):\n"
-              f"{format_table(work_rows, WORK_COLUMNS)}", flush=True)
+        print("\n" + work_section(work_rows), flush=True)
     training_rows = summarize_training(train_all(args, run_dir, progress, seconds))
     progress("")
     if training_rows:
-        print(f"\nTraining on digits: {args.epochs} optimizer steps of "
-              f"{args.num_peers * args.micro_steps_per_epoch * args.micro_batch_size} samples, {args.num_peers} peers per "
-              f"hivemind mode (nonfinite: {args.nonfinite_epochs} steps, healthy peer):\n"
-              f"{format_table(training_rows, TRAINING_COLUMNS)}", flush=True)
+        print("\n" + training_section(vars(args), training_rows), flush=True)
     if args.verbose:
         for row in training_rows:
             for peer in row["per_peer"]:
@@ -183,18 +182,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                       f"{peer['micro_steps']} micro-steps, {peer['train_s']:.1f} s")
     load["end"] = machine_load()
     work_load = loaded([load["start"], load.get("after_work", load["start"])])
-    print(f"\nMachine load: {load['start']['cores']} cores; 1/5/15-minute load average "
-          + "; ".join(f"{when.replace('_', ' ')} {'/'.join(f'{v:.1f}' for v in sample['load_average'])}"
-                      for when, sample in load.items())
-          + (f" (timing claims: {work_load})" if work_load else ""), flush=True)
+    print("\n" + load_line(load), flush=True)
     claims = make_claims(
         {row["mode"]: row for row in work_rows}, {(row["section"], row["mode"]): row for row in training_rows},
         load=work_load,
     )
-    failing = sum(not c["holds"] and c["judged"] for c in claims)
-    unjudged = sum(not c["judged"] for c in claims)
-    verb = "does" if failing == 1 else "do"
-    print(f"\nClaims ({len(claims)}, {failing} {verb} not hold, {unjudged} not judged):\n{format_claims(claims)}\n")
+    print(f"\n{claims_section(claims, work_load)}\n")
     log_counts = count_log_errors(run_dir)
     output = args.output or Path(run_dir) / "local_accumulation.json"
     what = "hivemind's log and this run's JSON" if args.output is None else "hivemind's log"

@@ -54,7 +54,9 @@ MODES = {
     )
 }
 LEGEND = (
-    "upstream: hivemind.Optimizer 1.1.12; accum: hivemind_accum.Optimizer; reuse, in place: reuse_grad_buffers=True"
+    "upstream: hivemind.Optimizer 1.1.12; accum: hivemind_accum.Optimizer; reuse, in place: reuse_grad_buffers=True\n"
+    "x native: a micro-step's time over native's, so below 1 is faster than native\n"
+    "Each claim prints accum's number, then 'vs' and the number of the upstream mode it names"
 )
 
 

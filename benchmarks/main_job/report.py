@@ -1,7 +1,9 @@
 """The main job's screen: its two tables, its claims and what hivemind logged, each at most 120 columns."""
 import collections
 import os
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from benchmarks.main_job.common import LEGEND
 
 WIDTH = 120
 WORK_COLUMNS = (
@@ -53,15 +55,79 @@ def format_table(rows: Sequence[Dict[str, Any]], columns: Sequence[Tuple[str, st
 
 
 def format_claims(claims: Sequence[Dict[str, Any]]) -> str:
-    """one line per claim (``holds``, ``does not hold`` or ``not judged``, then the claim and its numbers), and a
-    ``why:`` line under each claim that does not hold"""
+    """one line per claim (``holds``, ``does not hold`` or ``not judged``, then the claim and its numbers: accum's,
+    and ``vs`` the upstream mode's where it names one), and a ``why:`` line under each judged claim that does not
+    hold (the load that left a claim not judged is printed once, by :func:`claims_section`)"""
     lines = []
     for c in claims:
-        verdict = "holds" if c["holds"] else "does not hold" if c.get("judged", True) else "not judged"
-        lines.append(f"{verdict:<13}  {c['text']}: {c['a']} vs {c['b']}")
-        if not c["holds"]:
+        judged = c.get("judged", True)
+        verdict = "not judged" if not judged else "holds" if c["holds"] else "does not hold"
+        numbers = c["a"] if c.get("b") is None else f"{c['a']} vs {c['b']}"
+        lines.append(f"{verdict:<13}  {c['text']}: {numbers}")
+        if judged and not c["holds"]:
             lines.append(f"{'':13}  why: {c['why']}"[:WIDTH])
     return "\n".join(lines)
+
+
+def work_section(rows: Sequence[Dict[str, Any]]) -> str:
+    """the work table under its title"""
+    return (f"Work per no-sync micro-step, one process per mode in turn ({rows[0]['params'] / 1e6:.1f} M "
+            f"parameters in {rows[0]['tensors']} tensors; fp32 unless fp16):\n{format_table(rows, WORK_COLUMNS)}")
+
+
+def training_section(config: Dict[str, Any], rows: Sequence[Dict[str, Any]]) -> str:
+    """the training table under its title; ``config`` holds the command-line arguments (the JSON's ``config``)"""
+    samples = config["num_peers"] * config["micro_steps_per_epoch"] * config["micro_batch_size"]
+    return (f"Training on digits: {config['epochs']} optimizer steps of {samples} samples, {config['num_peers']} "
+            f"peers per hivemind mode (nonfinite: {config['nonfinite_epochs']} steps, healthy peer):\n"
+            f"{format_table(rows, TRAINING_COLUMNS)}")
+
+
+def load_line(load: Dict[str, Dict[str, Any]]) -> str:
+    """the core count and each sample's 1/5/15-minute load averages (the JSON's ``load``)"""
+    first = next(iter(load.values()))
+    return (f"Machine load: {first['cores']} cores; 1/5/15-minute load average "
+            + "; ".join(f"{when.replace('_', ' ')} {'/'.join(f'{v:.1f}' for v in sample['load_average'])}"
+                        for when, sample in load.items()))
+
+
+def claims_section(claims: Sequence[Dict[str, Any]], load: Optional[str] = None) -> str:
+    """
+    The claims under a title that counts them by verdict.
+
+    :param load: why the timing claims are not judged (:func:`benchmarks.main_job.claims.loaded`), or None
+    """
+    judged = [c for c in claims if c.get("judged", True)]
+    failing = sum(not c["holds"] for c in judged)
+    title = (f"Claims ({len(claims)}: {len(judged) - failing} hold, {failing} "
+             f"{'does' if failing == 1 else 'do'} not hold, {len(claims) - len(judged)} not judged):")
+    if load and len(judged) < len(claims):
+        title += f"\ntiming claims {load}"
+    return f"{title}\n{format_claims(claims)}"
+
+
+def render(report: Dict[str, Any], log_dir: str) -> List[str]:
+    """
+    The main job's screen, rebuilt from its JSON report, without the lines naming the JSON and the wall time.
+
+    :param report: what the main job wrote (``work``, ``training``, ``config``, ``claims``, ``log``, ``load``)
+    :param log_dir: the folder its log lines name
+    """
+    from benchmarks.main_job.claims import loaded
+
+    parts = [LEGEND]
+    if report["work"]:
+        parts.append("\n" + work_section(report["work"]))
+    if report["training"]:
+        parts.append("\n" + training_section(report["config"], report["training"]))
+    load = report.get("load")
+    reason = None
+    if load:
+        parts.append("\n" + load_line(load))
+        reason = loaded([load["start"], load.get("after_work", load["start"])])
+    parts.append("\n" + claims_section(report["claims"], reason) + "\n")
+    parts += describe_logs(log_dir, report["log"])
+    return "\n".join(parts).split("\n")
 
 
 def count_log_errors(log_dir: str) -> Dict[str, Any]:

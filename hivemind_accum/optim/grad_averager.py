@@ -14,6 +14,7 @@ How a gradient travels, in three files:
 """
 import inspect
 import numbers
+import operator
 import warnings
 from typing import AsyncIterator, ContextManager, Iterable, Iterator, Optional, Sequence
 
@@ -246,7 +247,7 @@ class GradientAverager(upstream.GradientAverager):
                 self._warned_unequal_batches = True
             self._attach_grads_()
             return None
-        grads, alpha = [param.grad for param in self.parameters], batch_size / self._anchor_batch_size
+        grads, alpha = list(map(_GRAD, self.parameters)), batch_size / self._anchor_batch_size
         if inv_grad_scale is None:
             self._accumulators.add_(grads, alpha=alpha)
             return None
@@ -430,6 +431,9 @@ class _StateFirstStepControl(StepControl):
         if self._cancel is not None:
             self._cancel.set_result(None)
         return cancelled
+
+
+_GRAD = operator.attrgetter("grad")
 
 
 def is_positive_int(value) -> bool:

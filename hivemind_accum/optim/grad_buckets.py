@@ -9,9 +9,12 @@ float32 buffers.
 The layout follows PyTorch DDP's ``gradient_as_bucket_view=True`` (gradients as views of a communication
 bucket) and its ``batched_grad_copy`` (one ``_foreach`` op per bucket instead of a per-parameter loop).
 """
+import contextlib
 import math
+import operator
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from itertools import repeat
+from typing import Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -109,9 +112,10 @@ def _make_bucket(
     device: torch.device,
     dtype: torch.dtype,
     share_memory: bool = False,
+    pin_memory: bool = False,
 ) -> GradientBucket:
     """allocate one zero-filled flat buffer of ``dtype`` for ``likes`` (in order), cut into views of their shapes"""
-    flat = torch.zeros(sum(like.numel() for like in likes), dtype=dtype, device=device)
+    flat = torch.zeros(sum(like.numel() for like in likes), dtype=dtype, device=device, pin_memory=pin_memory)
     if share_memory:
         flat.share_memory_()
     views, offset = [], 0
@@ -134,6 +138,8 @@ class GradientBuckets:
       averagers need for the tensors their background process all-reduces; use with ``device="cpu"``.
     :param upcast: if True, float16 and bfloat16 tensors get float32 buffers (and float32 views); tensors are still
       grouped by their own dtype, so buckets built from the same tensors with and without ``upcast`` pair up.
+    :param pin_memory: if True, allocate the buffers in page-locked host memory (``device="cpu"``, needs an
+      accelerator), so that copies from an accelerator into them can run without blocking
     :raises ValueError: if ``tensors`` is empty or holds a non-tensor, a sparse or meta tensor, a non-float dtype or
       the same tensor twice (the message names the offending positions as ``parameters[i]``), or if ``device``
       cannot be allocated on.
@@ -147,6 +153,7 @@ class GradientBuckets:
         device: Optional[torch.device] = None,
         share_memory: bool = False,
         upcast: bool = False,
+        pin_memory: bool = False,
     ):
         tensors = tuple(tensors)
         if len(tensors) == 0:
@@ -179,6 +186,7 @@ class GradientBuckets:
                 device=torch.device(device) if device is not None else source_device,
                 dtype=torch.float32 if upcast and dtype in LOW_PRECISION else dtype,
                 share_memory=share_memory,
+                pin_memory=pin_memory,
             )
             for (source_device, dtype), indices in groups.items()
         ]
@@ -187,6 +195,13 @@ class GradientBuckets:
             for i, view in zip(bucket.indices, bucket.views):
                 views[i] = view
         self.views: Tuple[torch.Tensor, ...] = tuple(views)
+        self._single = len(self.buckets) == 1  # then its indices are 0, 1, ...: sources need no regrouping
+        # called as ``write_observer(zeroes=...)`` around each write this class makes into the buffers, if set: a
+        # context manager, for a watcher of the buffers' version counters that tells these writes from others'
+        self.write_observer: Optional[Callable[..., ContextManager]] = None
+
+    def _reported_write(self, zeroes: bool = False) -> ContextManager:
+        return self.write_observer(zeroes=zeroes) if self.write_observer is not None else contextlib.nullcontext()
 
     @torch.no_grad()
     def add_(self, sources: Sequence[Optional[torch.Tensor]], alpha: float = 1.0) -> None:
@@ -199,17 +214,24 @@ class GradientBuckets:
           bucket's source device; None entries contribute nothing. Sparse sources are added densely.
         :param alpha: scalar weight applied to every source
         """
+        with self._reported_write():
+            self._add(sources, alpha)
+
+    def _add(self, sources: Sequence[Optional[torch.Tensor]], alpha: float) -> None:
         for bucket in self.buckets:
-            grads = [sources[i] for i in bucket.indices]
-            if all(grad is None for grad in grads):
-                continue
-            if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
-                bucket.flat.add_(bucket.stage_(grads), alpha=alpha)
-            elif any(grad is None for grad in grads):
-                present = [k for k, grad in enumerate(grads) if grad is not None]
-                foreach_add_([bucket.views[k] for k in present], [grads[k] for k in present], alpha=alpha)
-            else:
-                foreach_add_(bucket.views, grads, alpha=alpha)
+            grads = sources if self._single else [sources[i] for i in bucket.indices]
+            if not any(map(operator.is_, grads, repeat(None))):
+                if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
+                    bucket.flat.add_(bucket.stage_(grads), alpha=alpha)
+                else:
+                    with torch.inference_mode():  # the fused op's per-tensor adds skip autograd's dispatch
+                        foreach_add_(bucket.views, grads, alpha=alpha)
+            elif not all(map(operator.is_, grads, repeat(None))):
+                if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
+                    bucket.flat.add_(bucket.stage_(grads), alpha=alpha)
+                else:
+                    present = [k for k, grad in enumerate(grads) if grad is not None]
+                    foreach_add_([bucket.views[k] for k in present], [grads[k] for k in present], alpha=alpha)
 
     @torch.no_grad()
     def add_finite_(
@@ -240,8 +262,9 @@ class GradientBuckets:
     @torch.no_grad()
     def zero_(self) -> None:
         """set every buffer to zero: one ``zero_`` per bucket"""
-        for bucket in self.buckets:
-            bucket.flat.zero_()
+        with self._reported_write(zeroes=True):
+            for bucket in self.buckets:
+                bucket.flat.zero_()
 
     @torch.no_grad()
     def scaled_copy_to_(self, destination: Union["GradientBuckets", Sequence[torch.Tensor]], scale: float) -> None:

@@ -6,7 +6,8 @@ This module knows nothing about hivemind's classes. When a round begins, the ave
 local gradients are still in the accumulators: :class:`LocalFallback` leaves them there until the round is settled
 (its result used, or the fallback loaded), and zeroes them before the next micro-step adds into them. Only if the accumulators are needed for the next
 micro-step while the round is still unsettled (as with ``delay_grad_averaging=True``, where the next epoch
-accumulates during the round) are the local gradients first copied to host memory, once per such round.
+accumulates during the round) are the local gradients first copied to host memory, once per such round; from CUDA
+into pinned memory without blocking (in place, that copy runs in a hook inside the backward pass).
 
 Each round is kept under its own key, so a round's fallback that comes after the next round began (it waited for the
 averager's lock) loads that round's gradients, not the next one's; at most two rounds are kept (docs/failed-rounds.md).
@@ -53,6 +54,9 @@ class LocalFallback:
         self._hooks: List[torch.utils.hooks.RemovableHandle] = []
         self._lock = threading.RLock()
         self._thread = threading.local()
+        # CUDA accumulators are copied out into pinned host memory without blocking (see _copy_out_)
+        self._pinned = all(bucket.flat.device.type == "cuda" for bucket in accumulators.buckets)
+        self._copied: Dict[int, tuple] = {}  # id(host) -> (event recorded after the copy into it, its scale)
 
     @property
     def host_bytes(self) -> int:
@@ -134,7 +138,7 @@ class LocalFallback:
             if kept is None:
                 return False
             host, scale = kept
-            (self.accumulators if host is None else host).scaled_copy_to_(destination, scale)
+            (self.accumulators if host is None else self._host_ready(host)).scaled_copy_to_(destination, scale)
             self.settle_()
             return True
 
@@ -152,7 +156,7 @@ class LocalFallback:
                 return None
             del self._kept[key]
             self._lent.append(kept[0])
-            return kept[0]
+            return self._host_ready(kept[0])
 
     def give_back_(self, host: GradientBuckets) -> None:
         """a host copy from :meth:`take_host_copy_` is no longer read"""
@@ -166,20 +170,43 @@ class LocalFallback:
             kept = self._kept.get(self._latest)
             if kept is not None and kept[0] is None:
                 kept[0] = self._free_host()
-                self.accumulators.scaled_copy_to_(kept[0], kept[1])
+                self._copy_out_(kept[0], kept[1])
                 kept[1] = 1.0
             self.accumulators.zero_()
             self.holding = False
             if not self._in_backward:  # a hook's own list is not changed while autograd runs it
                 self._remove_hooks()
 
+    def _copy_out_(self, host: GradientBuckets, scale: float) -> None:
+        """``host = scale * accumulators``: one blocking scaled copy per bucket; from CUDA accumulators into pinned
+        ``host`` one copy per bucket with ``non_blocking=True`` instead (the caller's ``zero_`` follows it in stream
+        order), scaled by :meth:`_host_ready` once it has landed"""
+        if not self._pinned:
+            self.accumulators.scaled_copy_to_(host, scale)
+            return
+        for src, dst in zip(self.accumulators.buckets, host.buckets):
+            dst.flat.copy_(src.flat, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._copied[id(host)] = copied, scale
+
+    def _host_ready(self, host: GradientBuckets) -> GradientBuckets:
+        """``host`` once a copy of :meth:`_copy_out_` into it has landed, scaled (on the host, as a blocking copy is)"""
+        pending = self._copied.pop(id(host), None)
+        if pending is not None:
+            copied, scale = pending
+            copied.synchronize()
+            for bucket in host.buckets:
+                bucket.flat.mul_(scale)
+        return host
+
     def _free_host(self) -> GradientBuckets:
-        """a host buffer that holds no kept round, allocated if there is none"""
+        """a host buffer that holds no kept round, allocated if there is none (pinned for CUDA accumulators)"""
         used = [kept[0] for kept in self._kept.values()] + self._lent
         for host in self._hosts:
             if all(host is not other for other in used):
                 return host
-        self._hosts.append(GradientBuckets(self.parameters, device="cpu", upcast=True))
+        self._hosts.append(GradientBuckets(self.parameters, device="cpu", upcast=True, pin_memory=self._pinned))
         return self._hosts[-1]
 
     _in_backward = False

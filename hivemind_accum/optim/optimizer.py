@@ -23,6 +23,7 @@ from hivemind_accum.optim.round_guard import SkipUnusableSteps, StepDecisions, a
 from hivemind_accum.optim.state_averager import TrainingStateAverager
 from hivemind_accum.optim.torch_internals import (
     _optimizer_state,
+    back_off_loss_scale_,
     check_hivemind_grad_scaler_internals,
     declare_scaling_aware_step,
     foreach_copy_,
@@ -162,8 +163,9 @@ class Optimizer(upstream.Optimizer):
         tasks. Loss scaling never synchronizes with an accelerator in the no-sync step (docs/mixed-precision.md):
 
         - exact mode, ``torch.amp.GradScaler`` or ``hivemind.GradScaler``: each micro-step is unscaled and checked as it
-          is accumulated; one that overflows is dropped whole, its samples leave this peer's progress, and ``update()``
-          backs the scale off (``hivemind.GradScaler`` grows it only after a global step, as in in-place mode);
+          is accumulated; one that overflows is dropped whole, its samples leave this peer's progress, and the scale
+          backs off on the device: in ``update()`` (``torch.amp.GradScaler``) or in this step (``hivemind.GradScaler``,
+          whose ``update()`` reads every overflow record on the host; it grows only after a global step, as in place);
         - in-place mode, ``hivemind.GradScaler``: the accumulated gradients are unscaled and checked once per round;
           an overflow drops the round's local gradients (weight 0, no optimizer step), as native accumulation does.
 
@@ -206,8 +208,8 @@ class Optimizer(upstream.Optimizer):
             return super().step(closure, batch_size, grad_scaler=None)
         finally:
             self._micro_step_scaler = None
-            if isinstance(grad_scaler, HivemindGradScaler):  # see _begin_hivemind_scaler_micro_step
-                self._own_found_inf_record = list(_optimizer_state(grad_scaler, self)["found_inf_per_device"].values())
+            if isinstance(grad_scaler, HivemindGradScaler):
+                self._end_hivemind_scaler_micro_step(grad_scaler)
 
     def _begin_hivemind_scaler_micro_step(self, scaler: HivemindGradScaler) -> None:
         """exact mode, ``hivemind.GradScaler``: refuse a loop that called its ``unscale_`` (which, between global steps,
@@ -223,6 +225,17 @@ class Optimizer(upstream.Optimizer):
             )
         with scaler._lock:
             scaler._optimizer_states_to_reset.add(id(self))
+
+    def _end_hivemind_scaler_micro_step(self, scaler: HivemindGradScaler) -> None:
+        """exact mode, ``hivemind.GradScaler``: after a step without a global step, back the scale off on the device if
+        the micro-step overflowed and leave no overflow record, so that its ``update()``, which reads every record on
+        the host, reads none; after a global step the record stays for ``update()``, which may grow the scale"""
+        state = _optimizer_state(scaler, self)
+        with scaler._lock:
+            if not scaler._is_ready_to_update:
+                back_off_loss_scale_(scaler, list(state["found_inf_per_device"].values()))
+                state["found_inf_per_device"] = {}
+        self._own_found_inf_record = list(state["found_inf_per_device"].values())  # see _begin_hivemind_scaler_...
 
     def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler: Optional[HivemindGradScaler]) -> bool:
         """accumulate this micro-step's gradients without reading anything on the host on an accelerator (on the CPU:
@@ -460,8 +473,14 @@ class Optimizer(upstream.Optimizer):
         if set_to_none:
             for param in params:
                 param.grad = None
+            return
+        grads = [param.grad for param in params if param.grad is not None]
+        views = getattr(self.grad_averager, "_grad_views", None) if self.use_gradient_averaging else None
+        if views is None:
+            foreach_zero_(grads)
         else:
-            foreach_zero_([param.grad for param in params if param.grad is not None])
+            with views.own_write(zeroes=True):  # the accumulators' reset, not an edit of the running sum
+                foreach_zero_(grads)
 
     def _make_gradient_averager(self, factory: Optional[GradientAveragerFactory], **kwargs) -> GradientAverager:
         """upstream's construction; offloaded, the optimizer's ``.grad`` are bound by :meth:`_bind_offloaded_grads_`

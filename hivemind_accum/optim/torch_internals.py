@@ -274,6 +274,32 @@ def _loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor:
     return scale
 
 
+def _growth_tracker(scaler: torch.amp.GradScaler) -> torch.Tensor:
+    tracker = getattr(scaler, "_growth_tracker", None)
+    if not isinstance(tracker, torch.Tensor) or tracker.numel() != 1 or tracker.dtype != torch.int32:
+        raise _scaler_changed(
+            f"torch.amp.GradScaler._growth_tracker is "
+            f"{type(tracker).__name__ if not isinstance(tracker, torch.Tensor) else (tracker.shape, tracker.dtype)}, "
+            f"not the one-element int32 tensor counting clean steps (was scaler.scale(loss) called?)"
+        )
+    return tracker
+
+
+_NEVER = 2**31 - 1  # a growth interval no growth tracker reaches
+
+
+def _back_off_loss_scale_(scaler: torch.amp.GradScaler, found_infs: Sequence[torch.Tensor]) -> None:
+    if not found_infs:
+        return
+    scale, tracker = _loss_scale(scaler), _growth_tracker(scaler)
+    found_inf = found_infs[0].to(scale.device, non_blocking=True)
+    for other in found_infs[1:]:
+        found_inf = found_inf + other.to(scale.device, non_blocking=True)
+    # an overflow: scale * backoff and tracker 0; none: scale as it was and tracker + 1, which the sub_ undoes
+    torch._amp_update_scale_(scale, tracker, found_inf, 1.0, float(scaler._backoff_factor), _NEVER)
+    tracker.sub_(1).clamp_(min=0)
+
+
 def _inv_loss_scale(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
     scale = _loss_scale(scaler)
     if _optimizer_state(scaler, optimizer)["stage"] is _opt_state_unscaled():
@@ -342,13 +368,29 @@ def record_found_inf_(
     _record_found_inf_(scaler, optimizer, found_inf)
 
 
+def back_off_loss_scale_(scaler: torch.amp.GradScaler, found_infs: Sequence[torch.Tensor]) -> None:
+    """
+    What ``update()`` does to the scale after an overflow, on the scale's device without a host read: if any of
+    ``found_infs`` is nonzero, the loss scale is multiplied by the backoff factor and the growth tracker reset (with
+    ``torch._amp_update_scale_``, as ``update()`` does); otherwise neither changes (the step does not count towards
+    growth).
+
+    :param scaler: an enabled ``torch.amp.GradScaler`` whose ``scale(loss)`` was called
+    :param found_infs: 0-dim float32 overflow flags (0.0 or 1.0) on any devices; none changes nothing
+    :raises TorchInternalsError: as :func:`inv_loss_scale`, or if the growth tracker is not a one-element int32 tensor
+    """
+    _check_grad_scaler()
+    _back_off_loss_scale_(scaler, found_infs)
+
+
 def check_grad_scaler_internals() -> None:
     """
     Run the contract this package relies on against a real, enabled ``torch.amp.GradScaler`` on the CPU (a one-element
     model, a few tiny ops): ``loss_scale`` is the scale, ``inv_loss_scale`` is its inverse until ``unscale_`` and 1.0
     after, the scaler hands itself to a step that declares it handles scaling (:func:`declare_scaling_aware_step`),
-    and ``update()`` backs the scale off after an overflow recorded by :func:`record_found_inf_` and keeps it after a
-    clean record. The accessors run it at their first call in a process.
+    ``update()`` backs the scale off after an overflow recorded by :func:`record_found_inf_` and keeps it after a
+    clean record, and :func:`back_off_loss_scale_` backs it off as ``update()`` does. The accessors run it at their
+    first call in a process.
 
     :raises TorchInternalsError: naming the torch version and the first part of the contract that does not hold
     """
@@ -404,6 +446,14 @@ def _run_grad_scaler_contract() -> None:
                 f"_per_optimizer_states[id(optimizer)]['found_inf_per_device']"
             )
         param.grad = None
+    tracker = _growth_tracker(scaler).fill_(5)
+    for overflow, expected in ((False, (init_scale * backoff, 5)), (True, (init_scale * backoff**2, 0))):
+        _back_off_loss_scale_(scaler, [torch.tensor(float(overflow))])
+        if (scaler.get_scale(), int(tracker)) != expected:
+            raise _scaler_changed(
+                f"torch._amp_update_scale_ left (scale, growth tracker) at {(scaler.get_scale(), int(tracker))} after "
+                f"{'an overflow' if overflow else 'a clean step'} (expected {expected})"
+            )
 
 
 # the private torch.amp.GradScaler methods hivemind.GradScaler calls: name -> (positional, keyword arguments it passes)

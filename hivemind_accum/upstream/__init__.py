@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence
 from hivemind_accum.upstream.changes import CHANGES, edit_hivemind, for_hivemind, peel
 from hivemind_accum.upstream.fixes import FIXES, FixError, apply_fix, omit_workarounds
 from hivemind_accum.upstream.merge import UPSTREAM_PACKAGE, MergeError, merge_module, rewrite_new_module
+from hivemind_accum.upstream.stack import DEFAULT_AUTHOR, StackError, write_pull_requests
 
 SUPPORTED_VERSION = "1.1.12"  # the hivemind version whose source the merge was tested against
 OUR_OPTIM = Path(__file__).resolve().parent.parent / "optim"
@@ -163,7 +164,9 @@ def source_package(source: Path) -> Path:
     raise GenerationError(f"--hivemind-src {source}: neither it nor {source}/hivemind is hivemind's package directory")
 
 
-def generate(out: Path, upstream_dir: Optional[Path] = None, from_source: bool = False) -> List[Patch]:
+def generate(
+    out: Path, upstream_dir: Optional[Path] = None, from_source: bool = False, author: str = DEFAULT_AUTHOR
+) -> List[Patch]:
     """
     Write the patched package, its patch series and its packaging.
 
@@ -171,8 +174,10 @@ def generate(out: Path, upstream_dir: Optional[Path] = None, from_source: bool =
       ``hivemind/`` (the installed package with the patches applied, p2pd binary and protobuf modules included),
       ``patches/NNNN-*.patch`` (``git am`` in a hivemind checkout, or ``patch -p1`` from a directory holding
       ``hivemind/``), ``pyproject.toml`` (``pip install out`` installs the patched hivemind as version
-      ``1.1.12+accum``; not written with ``from_source``)
+      ``1.1.12+accum``; not written with ``from_source``), ``prs/NN-slug/`` (the pull requests for hivemind, each a
+      ``git format-patch`` series and its ``description.md``: :mod:`hivemind_accum.upstream.stack`)
     :param upstream_dir: the hivemind package directory to start from (default: the installed one)
+    :param author: "Name <email>", the author of the pull requests' commits
     :param from_source: ``upstream_dir`` is the package directory of a hivemind source tree (e.g. a checkout of
       hivemind's master), of any version: the series is generated against its modules
     :returns: the patches, in series order
@@ -197,7 +202,7 @@ def generate(out: Path, upstream_dir: Optional[Path] = None, from_source: bool =
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
         raise GenerationError(f"--out {out}: the directory holds other files; pass a new or empty directory")
-    for stale in out / UPSTREAM_PACKAGE, out / "patches":
+    for stale in out / UPSTREAM_PACKAGE, out / "patches", out / "prs":
         if stale.exists():
             shutil.rmtree(stale)
     out.mkdir(parents=True, exist_ok=True)
@@ -210,6 +215,10 @@ def generate(out: Path, upstream_dir: Optional[Path] = None, from_source: bool =
     for number, patch in enumerate(patches, start=1):
         filename = f"{number:04d}-{re.sub(r'[^A-Za-z0-9]+', '-', patch.subject).strip('-')}.patch"
         (out / "patches" / filename).write_text(format_patch(patch, number, len(patches)))
+    try:
+        write_pull_requests(upstream_dir, out / "prs", author)
+    except StackError as e:
+        raise GenerationError(f"cannot write the pull requests: {e}") from e
     if not from_source:
         (out / "pyproject.toml").write_text(_pyproject(upstream_dir))
     elif (out / "pyproject.toml").exists():

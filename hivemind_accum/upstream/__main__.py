@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 from hivemind_accum.upstream import (
+    DEFAULT_AUTHOR,
     SUPPORTED_VERSION,
     GenerationError,
     generate,
@@ -27,10 +28,13 @@ def main(argv=None) -> int:
         "installed package; then git am DIR/patches/*.patch in that checkout applies the series (no pyproject.toml "
         "is written: the checkout has its own packaging)",
     )
+    parser.add_argument(
+        "--author", default=DEFAULT_AUTHOR, help=f"'Name <email>' for the pull requests' commits (default: {DEFAULT_AUTHOR})"
+    )
     args = parser.parse_args(argv)
     try:
         upstream_dir = source_package(args.hivemind_src) if args.hivemind_src else installed_hivemind()
-        patches = generate(args.out, upstream_dir, from_source=args.hivemind_src is not None)
+        patches = generate(args.out, upstream_dir, from_source=args.hivemind_src is not None, author=args.author)
     except GenerationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -39,6 +43,8 @@ def main(argv=None) -> int:
         print(f"  {number:2d} {patch.subject} ({', '.join(patch.paths)})")
     packaging = "" if args.hivemind_src else f", {args.out}/pyproject.toml"
     print(f"wrote {args.out}/hivemind, {args.out}/patches ({len(patches)} patches){packaging}")
+    prs = sorted(path.name for path in (args.out / "prs").iterdir())
+    print(f"wrote {args.out}/prs: {len(prs)} pull requests for hivemind ({', '.join(prs)})")
     if args.hivemind_src:
         print(f"apply with: git -C {args.hivemind_src} am {args.out.resolve()}/patches/*.patch")
     else:

@@ -171,12 +171,16 @@ accelerator once per micro-batch.
             "_optimizer_state",
             "_opt_state_unscaled",
             "_loss_scale",
+            "_growth_tracker",
+            "_NEVER = 2 ** 31 - 1",
+            "_back_off_loss_scale_",
             "_inv_loss_scale",
             "_record_found_inf_",
             "_check_grad_scaler",
             "loss_scale",
             "inv_loss_scale",
             "record_found_inf_",
+            "back_off_loss_scale_",
             "check_grad_scaler_internals",
             "_run_grad_scaler_contract",
             "HIVEMIND_GRAD_SCALER_CALLS = {'_unscale_grads_': (('optimizer', 'inv_scale', 'found_inf'), "
@@ -298,12 +302,14 @@ accelerator once per micro-batch.
             "Optimizer._update_global_epoch",
             "Optimizer._begin_averaging_gradients",
             "Optimizer._begin_hivemind_scaler_micro_step",
+            "Optimizer._end_hivemind_scaler_micro_step",
             "if self.use_gradient_averaging and not self.auxiliary:",
             Edit("        self._micro_step_scaler = None\n"),  # in __init__ (step, which also sets it, is gone)
             Edit("        self._own_found_inf_record = []  # the overflow tensors step() last recorded in the grad scaler\n"),
             Edit(
                 "from hivemind_accum.optim.torch_internals import (\n"
                 "    _optimizer_state,\n"
+                "    back_off_loss_scale_,\n"
                 "    check_hivemind_grad_scaler_internals,\n"
                 "    declare_scaling_aware_step,\n"
                 "    foreach_zero_,\n"
@@ -339,6 +345,18 @@ gradients, where it would load the next round's window, which the next round the
 """,
     enters=("local_fallback", "power_sgd_averager"),
     omit={
+        "grad_buckets": (
+            Edit("    share_memory: bool = False,\n    pin_memory: bool = False,\n) -> GradientBucket:",
+                 "    share_memory: bool = False,\n) -> GradientBucket:"),
+            Edit(", device=device, pin_memory=pin_memory)", ", device=device)"),
+            Edit("        upcast: bool = False,\n        pin_memory: bool = False,\n    ):",
+                 "        upcast: bool = False,\n    ):"),
+            Edit("                pin_memory=pin_memory,\n"),
+            Edit(
+                "    :param pin_memory: if True, allocate the buffers in page-locked host memory (``device=\"cpu\"``, "
+                "needs an\n      accelerator), so that copies from an accelerator into them can run without blocking\n"
+            ),
+        ),
         "grad_averager": (
             "from hivemind_accum.optim.local_fallback import LocalFallback",
             "keep_local_fallback: bool = True",
@@ -427,7 +445,8 @@ all-reduce, and a peer downloading the state copied whatever it received.
             "CHECK_CHUNK = 1 << 18",
             "GradientBuckets.scaled_copy_with_checksums_",
             "_scaled_copy_with_checksums",
-            Edit("from typing import Dict, Iterable, Iterator,", "from typing import Dict, Iterable,"),
+            Edit("from typing import Callable, ContextManager, Dict, Iterable, Iterator,",
+                 "from typing import Callable, ContextManager, Dict, Iterable,"),
         ),
         "local_fallback": (
             Edit("    def hand_off_(self, scale: float, finite: bool) -> None:\n",

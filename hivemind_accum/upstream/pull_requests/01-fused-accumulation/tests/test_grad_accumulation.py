@@ -1,0 +1,62 @@
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hivemind import DHT
+from hivemind.optim.grad_averager import GradientAverager
+
+
+class CountOps(TorchDispatchMode):
+    """records the name of every aten op dispatched inside the block (ops called by those ops are not seen)"""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("num_tensors", [3, 30])
+def test_accumulate_grads_is_one_op_per_micro_step(num_tensors: int):
+    dht = DHT(start=True)
+    model = nn.ParameterList([nn.Parameter(torch.zeros(5)) for _ in range(num_tensors)])
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="test", reuse_grad_buffers=False, start=False)
+    dht.shutdown()  # the averager is not started: accumulate_grads_ runs in this process alone
+
+    batch_sizes = [4, 2, 8]
+    for step, batch_size in enumerate(batch_sizes):
+        for i, param in enumerate(model.parameters()):
+            param.grad = torch.full_like(param, float(step + i))
+        with CountOps() as counter:
+            averager.accumulate_grads_(batch_size=batch_size)
+        assert counter.ops == ["_foreach_add_"]
+
+    assert averager.local_samples_accumulated == sum(batch_sizes) and averager.local_times_accumulated == 3
+    for i, accumulator in enumerate(averager._grad_accumulators()):
+        # each micro-batch is weighted by its size relative to the first one's
+        expected = sum((step + i) * batch_size / batch_sizes[0] for step, batch_size in enumerate(batch_sizes))
+        assert torch.equal(accumulator, torch.full((5,), float(expected)))
+
+    averager.reset_accumulated_grads_()
+    assert all(torch.equal(accumulator, torch.zeros(5)) for accumulator in averager._grad_accumulators())
+
+
+@pytest.mark.forked
+def test_accumulate_sparse_grads():
+    dht = DHT(start=True)
+    embedding = nn.Embedding(4, 3, sparse=True)
+    averager = GradientAverager(embedding.parameters(), dht=dht, prefix="test", reuse_grad_buffers=False, start=False)
+    dht.shutdown()
+
+    for batch_size in 2, 4:
+        embedding.zero_grad(set_to_none=True)
+        embedding(torch.tensor([1, 1, 3])).sum().backward()
+        assert embedding.weight.grad.is_sparse
+        averager.accumulate_grads_(batch_size=batch_size)
+
+    expected = torch.tensor([0.0, 2.0, 0.0, 1.0])[:, None].expand(4, 3) * (1 + 4 / 2)
+    assert torch.equal(next(averager._grad_accumulators()), expected)

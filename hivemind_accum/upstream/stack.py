@@ -1,0 +1,231 @@
+"""
+The pull requests for hivemind: ``DIR/prs/NN-slug/``, each a ``git format-patch`` series and its ``description.md``.
+
+Each pull request is one concern, cut as small as a reviewer can judge alone. Its code is a few text edits of
+hivemind's modules (``Edit``, or a defect fix from :mod:`hivemind_accum.upstream.fixes`); its tests and benchmark are
+files of this repository, under ``pull_requests/NN-slug/``, copied into hivemind's ``tests/`` and ``benchmarks/``.
+Its ``description.md`` is the pull request's text; a line ``Depends on: NN-slug`` names a prerequisite. Commits are
+made with git in a scratch repository that holds hivemind's modules as the base (the installed package or a
+checkout), so every patch applies with ``git am`` to hivemind master after the pull requests it names.
+"""
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+from hivemind_accum.upstream.fixes import FIXES, Fix, FixError, apply_fix
+
+PULL_REQUESTS_DIR = Path(__file__).resolve().parent / "pull_requests"
+OUR_OPTIM = Path(__file__).resolve().parent.parent / "optim"
+DEFAULT_AUTHOR = "hivemind-accum contributors <hivemind-accum@users.noreply.github.com>"
+COMMIT_DATE = "2026-12-04T00:00:00+00:00"  # fixed, so that the same sources give the same patches
+
+
+@dataclass(frozen=True)
+class Edit:
+    path: str  # relative to the package directory, e.g. "optim/grad_averager.py"
+    old: str  # hivemind's text, whole lines, found exactly once in the module
+    new: str
+
+
+@dataclass(frozen=True)
+class Commit:
+    subject: str
+    body: str
+    edits: Tuple[object, ...]  # Edit or Fix
+    files: Tuple[str, ...] = ()  # paths under the pull request's folder, copied to the same path in hivemind's tree
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    slug: str  # "NN-name": its folder under pull_requests/ and in DIR/prs/
+    commits: Tuple[Commit, ...]
+
+    @property
+    def folder(self) -> Path:
+        return PULL_REQUESTS_DIR / self.slug
+
+    @property
+    def depends(self) -> List[str]:
+        """the pull requests this one applies after, as its description names them"""
+        text = (self.folder / "description.md").read_text()
+        return [slug for line in re.findall(r"(?im)^depends on:(.*)$", text) for slug in re.findall(r"\d\d-[\w.-]+", line)]
+
+    @property
+    def test_files(self) -> List[str]:
+        return [path for commit in self.commits for path in commit.files if path.startswith("tests/")]
+
+
+def _fix(subject_start: str) -> Fix:
+    (fix,) = [fix for fix in FIXES if fix.subject.startswith(subject_start)]
+    return fix
+
+
+def _fix_commit(subject_start: str, test_file: str) -> Commit:
+    fix = _fix(subject_start)
+    return Commit(fix.subject, fix.why, (fix,), (test_file,))
+
+
+FUSED_ACCUMULATION = Edit(
+    path="optim/grad_averager.py",
+    old=(
+        "            alpha = float(batch_size) / self._anchor_batch_size\n"
+        "            for grad_buf, grad_acc in zip(self._grads_from_parameters(), self._grad_accumulators()):\n"
+        "                grad_acc.add_(grad_buf.to(grad_acc.device), alpha=alpha)\n"
+    ),
+    new=(
+        "            alpha = float(batch_size) / self._anchor_batch_size\n"
+        "            grad_accs = list(self._grad_accumulators())\n"
+        "            grad_bufs = [grad.to(acc.device) for grad, acc in zip(self._grads_from_parameters(), grad_accs)]\n"
+        "            if any(grad.is_sparse for grad in grad_bufs):  # older torch has no sparse _foreach_add_\n"
+        "                for grad_buf, grad_acc in zip(grad_bufs, grad_accs):\n"
+        "                    grad_acc.add_(grad_buf, alpha=alpha)\n"
+        "            else:\n"
+        "                torch._foreach_add_(grad_accs, grad_bufs, alpha=alpha)\n"
+    ),
+)
+
+PULL_REQUESTS: Sequence[PullRequest] = (
+    PullRequest(
+        "01-fused-accumulation",
+        (
+            Commit(
+                "GradientAverager: accumulate gradients with one fused op per micro-step",
+                "accumulate_grads_ added each gradient into its accumulator in a Python loop, one add_ per "
+                "parameter tensor: a kernel launch per tensor on a GPU, and time that grows with the number of "
+                "tensors on every no-sync Optimizer.step() (#566). It now makes one torch._foreach_add_ call. The "
+                "values are the same: the same additions, in the same order, with the same alpha. Sparse "
+                "gradients keep the per-tensor add.",
+                (FUSED_ACCUMULATION,),
+                ("tests/test_grad_accumulation.py", "benchmarks/benchmark_no_sync_step.py"),
+            ),
+        ),
+    ),
+    PullRequest(
+        "02-optimizer-client-mode",
+        (_fix_commit("Optimizer: fall back to the DHT's client mode", "tests/test_optimizer_client_mode.py"),),
+    ),
+    PullRequest(
+        "03-optimizer-del",
+        (_fix_commit("Optimizer: do not fail in __del__", "tests/test_optimizer_del.py"),),
+    ),
+    PullRequest(
+        "04-auxiliary-client-mode-error",
+        (_fix_commit("Optimizer: raise ValueError", "tests/test_optimizer_arguments.py"),),
+    ),
+    PullRequest(
+        "05-grad-scaler-disabled-update",
+        (_fix_commit("GradScaler: make update() a no-op", "tests/test_grad_scaler.py"),),
+    ),
+    PullRequest(
+        "06-step-control-cancel-order",
+        (_fix_commit("StepControl: mark a round cancelled", "tests/test_step_control.py"),),
+    ),
+)
+
+
+class StackError(Exception):
+    """a pull request cannot be written; the message says which and why"""
+
+
+def write_pull_requests(
+    package_dir: Path, out: Path, author: str = DEFAULT_AUTHOR, pull_requests: Sequence[PullRequest] = PULL_REQUESTS
+) -> Dict[str, List[Path]]:
+    """
+    Write ``out/NN-slug/`` for each pull request: its ``git format-patch`` series and ``description.md``.
+
+    :param package_dir: hivemind's package directory (``.../hivemind``) the patches are made against
+    :param out: the folder that receives one folder per pull request (replaced if present)
+    :param author: "Name <email>" for the commits
+    :returns: the patch files, by slug
+    :raises StackError: an edit does not match hivemind's text, or a prerequisite is unknown
+    """
+    by_slug = {pr.slug: pr for pr in pull_requests}
+    if out.exists():
+        shutil.rmtree(out)
+    written = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        repo = Path(scratch)
+        env = _git_env(author)
+        _git(repo, env, "init", "-q")
+        edited = sorted({edit.path for pr in pull_requests for commit in pr.commits for edit in commit.edits})
+        for path in edited:
+            (repo / "hivemind" / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(package_dir / path, repo / "hivemind" / path)
+        _git(repo, env, "add", "-A")
+        _git(repo, env, "commit", "-q", "-m", "hivemind")
+        base = _git(repo, env, "rev-parse", "HEAD").strip()
+        for pr in pull_requests:
+            _git(repo, env, "checkout", "-q", "--detach", base)
+            for slug in _prerequisites(pr, by_slug) + [pr.slug]:
+                for commit in by_slug[slug].commits:
+                    _commit(repo, env, by_slug[slug], commit)
+            folder = out / pr.slug
+            folder.mkdir(parents=True)
+            _git(repo, env, "format-patch", "-q", "--zero-commit", "--no-signature", "-o", str(folder),
+                 f"HEAD~{len(pr.commits)}")
+            shutil.copyfile(pr.folder / "description.md", folder / "description.md")
+            written[pr.slug] = sorted(folder.glob("*.patch"))
+    return written
+
+
+def _prerequisites(pr: PullRequest, by_slug: Dict[str, PullRequest]) -> List[str]:
+    """the pull requests ``pr`` applies after, prerequisites first, each once"""
+    order: List[str] = []
+    for slug in pr.depends:
+        if slug not in by_slug:
+            raise StackError(f"{pr.slug}: its description depends on {slug!r}, which is not a pull request here")
+        order += [s for s in _prerequisites(by_slug[slug], by_slug) + [slug] if s not in order]
+    return order
+
+
+def _commit(repo: Path, env: Dict[str, str], pr: PullRequest, commit: Commit):
+    for edit in commit.edits:
+        target = repo / "hivemind" / edit.path
+        text = target.read_text()
+        try:
+            if isinstance(edit, Fix):
+                ours = (OUR_OPTIM / f"{edit.module}.py").read_text() if edit.module else ""
+                new_text = apply_fix(text, edit, ours)
+            elif text.count(edit.old) == 1:
+                new_text = text.replace(edit.old, edit.new)
+            else:
+                raise FixError(f"expected this text once in hivemind/{edit.path}, found it {text.count(edit.old)} "
+                               f"times:\n{edit.old}")
+        except FixError as e:
+            raise StackError(f"{pr.slug} ('{commit.subject}'): {e}") from e
+        if new_text == text:
+            raise StackError(f"{pr.slug} ('{commit.subject}'): hivemind/{edit.path} already has this change")
+        target.write_text(new_text)
+    for path in commit.files:
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(pr.folder / path, repo / path)
+    _git(repo, env, "add", "-A")
+    _git(repo, env, "commit", "-q", "-F", "-", input=f"{commit.subject}\n\n{_wrap(commit.body)}\n")
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(" ".join(text.split()), width=72, break_on_hyphens=False)
+
+
+def _git_env(author: str) -> Dict[str, str]:
+    match = re.fullmatch(r"\s*(.+?)\s*<([^>]+)>\s*", author)
+    if match is None:
+        raise StackError(f"author {author!r}: expected 'Name <email>'")
+    name, email = match.groups()
+    env = dict(os.environ, GIT_AUTHOR_DATE=COMMIT_DATE, GIT_COMMITTER_DATE=COMMIT_DATE, GIT_CONFIG_GLOBAL=os.devnull,
+               GIT_CONFIG_NOSYSTEM="1")
+    env.update(GIT_AUTHOR_NAME=name, GIT_AUTHOR_EMAIL=email, GIT_COMMITTER_NAME=name, GIT_COMMITTER_EMAIL=email)
+    return env
+
+
+def _git(repo: Path, env: Dict[str, str], *args: str, input: str = None) -> str:
+    result = subprocess.run(["git", *args], cwd=repo, env=env, input=input, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise StackError(f"git {' '.join(args)}: {result.stderr.strip()}")
+    return result.stdout
