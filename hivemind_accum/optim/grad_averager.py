@@ -69,7 +69,7 @@ class GradientAverager(upstream.GradientAverager):
     :param warn: if True, warn when the averager did not reset accumulators after use or did not use averaging results
     :param averaged_grads: if provided, the tensors to all-reduce: one per parameter, of the parameter's shape, on
       CPU. By default, one flat shared-memory CPU buffer per bucket, cut into per-parameter views.
-    :param averaged_grads_dtype: None (default): the averaged buffers have each parameter's dtype, as upstream's;
+    :param averaged_grads_dtype: None (default): the averaged buffers have each parameter's dtype;
       ``torch.float32``: fp16/bf16 gradients are averaged in float32 (twice the host memory and traffic; such a peer
       averages only with peers that set it too). Accumulators are unaffected (see ``accumulate_in_fp32``). Ignored
       if ``averaged_grads`` is given.
@@ -174,7 +174,8 @@ class GradientAverager(upstream.GradientAverager):
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """upstream's; a request refused for its schema hash is reported once (:class:`SchemaMismatchWarning`)"""
+        """the reply to a group request; one refused for its schema hash is reported once
+        (:class:`SchemaMismatchWarning`)"""
         async for response in super().rpc_join_group(request, context):
             if response.code == averaging_pb2.BAD_SCHEMA_HASH:
                 self._schema_mismatch.report_(context.remote_id, request.schema_hash)

@@ -483,21 +483,30 @@ class Optimizer(upstream.Optimizer):
                 foreach_zero_(grads)
 
     def _make_gradient_averager(self, factory: Optional[GradientAveragerFactory], **kwargs) -> GradientAverager:
-        """upstream's construction; offloaded, the optimizer's ``.grad`` are bound by :meth:`_bind_offloaded_grads_`
-        instead of upstream's binding, which torch refuses across dtypes"""
-        offloaded, self.offload_optimizer = self.offload_optimizer, False  # read by upstream's binding only
-        try:
-            grad_averager = super()._make_gradient_averager(factory if factory is not None else GradientAverager,
-                                                            **kwargs)
-        finally:
-            self.offload_optimizer = offloaded
-        if offloaded:
+        """the gradient averager, built by ``factory`` (by default :class:`GradientAverager`); offloaded, the
+        optimizer's ``.grad`` are then bound to its averaged buffers (:meth:`_bind_offloaded_grads_`)"""
+        assert hasattr(self, "state_averager"), "must initialize state averager first"
+        factory = factory if factory is not None else GradientAverager
+        grad_averager = factory(
+            dht=self.dht,
+            prefix=f"{self.run_id}_grad_averager",
+            parameters=self.state_averager.main_parameters,
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
+        if self.offload_optimizer:
             self._bind_offloaded_grads_(grad_averager)
         return grad_averager
 
     @torch.no_grad()
     def _bind_offloaded_grads_(self, grad_averager) -> None:
-        """offloaded: each optimizer parameter's ``.grad`` is its averaged buffer, as upstream binds it, or, where the
+        """offloaded: each optimizer parameter's ``.grad`` is its averaged buffer where the dtypes match, or, where the
         dtypes differ (fp16/bf16 averaged buffers, float32 optimizer parameters), a float32 tensor of its own that
         :meth:`_load_gradients_into_optimizer_` fills once per round"""
         params = [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]

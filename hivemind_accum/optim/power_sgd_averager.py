@@ -30,11 +30,11 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
     keep_local_fallback = False
 
     def __init__(self, *args, averaged_grads_dtype: torch.dtype = torch.float32, **kwargs):
-        """upstream's arguments; fp16/bf16 gradients are averaged in float32 (upstream's PowerSGD fails on them in
-        their own dtype, hivemind#545): ``averaged_grads_dtype`` accepts only ``torch.float32``"""
+        """the class's parameters, and ``averaged_grads_dtype``, which accepts only ``torch.float32``: fp16/bf16
+        gradients are averaged in float32 (PowerSGD fails on them in their own dtype, hivemind#545)"""
         if averaged_grads_dtype != torch.float32:
             raise ValueError(f"averaged_grads_dtype: PowerSGD averages in torch.float32, got {averaged_grads_dtype!r}")
-        self.averaged_grads_dtype = averaged_grads_dtype  # read by upstream's __init__ (_grads_from_parameters) first
+        self.averaged_grads_dtype = averaged_grads_dtype  # read by _grads_from_parameters before __init__ sets it
         super().__init__(*args, averaged_grads_dtype=averaged_grads_dtype, **kwargs)
 
     @torch.no_grad()
