@@ -27,6 +27,7 @@ CONFIGURATIONS = (
     ("exact", GradientAverager, {}, False),
     ("exact, loss scaling on an accelerator", GradientAverager, {}, True),
     ("exact, accumulate_in_fp32=False", GradientAverager, dict(accumulate_in_fp32=False), False),
+    ("exact, averaged_grads_dtype=torch.float32", GradientAverager, dict(averaged_grads_dtype=torch.float32), False),
     ("in place", GradientAverager, dict(reuse_grad_buffers=True), False),
 )
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

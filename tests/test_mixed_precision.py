@@ -4,6 +4,7 @@ host sync, or on the CPU after one free host read: both paths are tested on CPU,
 and PowerSGD with a bf16 model. Oracles: an fp64 sum, native PyTorch accumulation (with the same
 scripted overflow) and hand-computed native accumulation of the micro-steps that did not overflow.
 """
+import logging
 import multiprocessing as mp
 import time
 from functools import partial
@@ -16,10 +17,10 @@ from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAve
 
 import hivemind_accum
 from hivemind_accum import GradientAverager
-from hivemind_accum.optim import grad_buckets, torch_internals
+from hivemind_accum.optim import grad_buckets, schema_mismatch, torch_internals
 from tests.conftest import (
-    DEVICES, NEEDS_CUDA, SINGLE_PEER_TRACKER, MixedNet, mixed_batch, receive_by_value, send_by_value, swarm,
-    without_cyclic_gc,
+    DEVICES, NEEDS_CUDA, SINGLE_PEER_TRACKER, MixedNet, mixed_batch, receive_by_value, send_by_value, shutting_down,
+    swarm, without_cyclic_gc,
 )
 from tests.test_grad_scaler import BATCH, EPOCHS, LR, MICRO_STEPS, SCALE, make_model
 from tests.upstream_checks import HostReads  # counts aten::_local_scalar_dense: .item(), float(), bool(), .tolist()
@@ -40,8 +41,10 @@ def test_low_precision_gradients_accumulate_in_fp32(dht, dtype):
     than naive accumulation in the gradients' dtype (which accumulate_in_fp32=False reproduces exactly)"""
     micro_steps = 256
     model = torch.nn.Linear(64, 32).to(dtype)
-    fp32 = GradientAverager(model.parameters(), dht=dht, prefix="fp32", start=False)
-    low = GradientAverager(model.parameters(), dht=dht, prefix="low", accumulate_in_fp32=False, start=False)
+    fp32 = GradientAverager(model.parameters(), dht=dht, prefix="fp32", start=False,
+                            averaged_grads_dtype=torch.float32)  # the accumulators' precision, not rounded again
+    low = GradientAverager(model.parameters(), dht=dht, prefix="low", accumulate_in_fp32=False, start=False,
+                           averaged_grads_dtype=torch.float32)
     assert all(acc.dtype == torch.float32 for acc in fp32._grad_accumulators())
     assert all(acc.dtype == dtype for acc in low._grad_accumulators())
     generator = torch.Generator().manual_seed(0)
@@ -138,11 +141,13 @@ def test_dropped_first_micro_step_does_not_anchor_batch_size_weights(dht, path):
 @pytest.mark.parametrize("path", LOSS_SCALING_PATHS)
 def test_fp16_gradients_are_unscaled_in_fp32(dht, path):
     """loss scaling exists to keep small fp16 gradients: unscaling must happen after the cast to the float32
-    accumulator, or values below fp16's range (6e-8) become zero"""
+    accumulator, or values below fp16's range (6e-8) become zero (float32 averaged buffers keep them; fp16 ones, the
+    default, round them as upstream's do)"""
     force_loss_scaling_path(path)
     scale = 2.0**16
     model = torch.nn.Linear(100, 10).half()
-    averager = GradientAverager(model.parameters(), dht=dht, prefix="fp16", start=False)
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="fp16", start=False,
+                                averaged_grads_dtype=torch.float32)
     true_grads = [torch.logspace(-9, -3, p.numel(), dtype=torch.float64).reshape(p.shape) for p in model.parameters()]
     for param, grad in zip(model.parameters(), true_grads):
         param.grad = (grad * scale).half()  # what backward of a scaled loss writes
@@ -580,13 +585,15 @@ def test_cuda_no_sync_step_with_grad_scaler_does_not_synchronize(reuse_grad_buff
 
 @pytest.mark.forked
 def test_missing_grad_receives_averaged_gradient_in_parameter_dtype():
-    """offload_optimizer=False with a bf16 model: a parameter without .grad at the global step gets the float32
-    averaged gradient cast to bf16 (upstream assigns a float32 clone, which torch refuses)"""
+    """offload_optimizer=False with a bf16 model and averaged_grads_dtype=torch.float32: a parameter without .grad at
+    the global step gets the float32 averaged gradient cast to bf16 (upstream assigns a float32 clone, which torch
+    refuses)"""
     model = torch.nn.Linear(4, 3).bfloat16()
     dht = hivemind.DHT(start=True)
     opt = hivemind_accum.Optimizer(
         dht=dht, run_id="missing_grad", optimizer=torch.optim.SGD(model.parameters(), lr=0.1), offload_optimizer=False,
         target_batch_size=8, batch_size_per_step=2, tracker_opts=SINGLE_PEER_TRACKER,
+        grad_averager_factory=partial(GradientAverager, averaged_grads_dtype=torch.float32),
     )
     try:
         with opt.grad_averager.get_tensors() as averaged:
@@ -616,3 +623,123 @@ def test_inv_grad_scale_of_any_float_dtype(dht, path):
         found_inf = averager.accumulate_grads_(batch_size=1, inv_grad_scale=torch.tensor(0.125, dtype=dtype))
         assert found_inf.item() == 0.0
     torch.testing.assert_close(list(averager._grad_accumulators())[1], torch.full((2,), 2.0))
+
+
+# ------------------------------------------------- mixed swarms: upstream and ours with bf16 parameters ---------------
+def _bf16_peer_gradients(model: torch.nn.Module, peer: int, micro_step: int) -> None:
+    generator = torch.Generator().manual_seed(10 * peer + micro_step)
+    for param in model.parameters():
+        param.grad = torch.randn(param.shape, generator=generator).bfloat16()
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True], ids=["exact", "in_place"])
+def test_bf16_peers_of_upstream_and_ours_average_together(reuse_grad_buffers):
+    """by default the averaged buffers keep the parameters' dtype, as upstream's: an upstream peer and one of ours
+    (float32 accumulators in exact mode) join the same round, and both end with the sample-weighted mean of the
+    peers' gradients, within bf16 rounding"""
+    batches = [[2, 2], [3, 3, 3]]
+    with swarm(2) as dhts:
+        models = [torch.nn.Linear(8, 6).bfloat16() for _ in range(2)]
+        averagers = [
+            UpstreamGradientAverager(models[0].parameters(), dht=dhts[0], prefix="mixed", target_group_size=2,
+                                     reuse_grad_buffers=reuse_grad_buffers, start=True),
+            GradientAverager(models[1].parameters(), dht=dhts[1], prefix="mixed", target_group_size=2,
+                             reuse_grad_buffers=reuse_grad_buffers, start=True),
+        ]
+        with shutting_down(*averagers):
+            assert averagers[0].schema_hash == averagers[1].schema_hash
+            local = []
+            for peer, (model, averager) in enumerate(zip(models, averagers)):
+                total = [torch.zeros(p.shape, dtype=torch.float64) for p in model.parameters()]
+                for k, batch_size in enumerate(batches[peer]):
+                    previous = [param.grad for param in model.parameters()]
+                    _bf16_peer_gradients(model, peer, k)
+                    for acc, param in zip(total, model.parameters()):
+                        acc += param.grad.double()
+                    if reuse_grad_buffers and peer == 0 and k > 0:  # upstream's in-place mode: .grad holds the sum
+                        for param, old in zip(model.parameters(), previous):
+                            param.grad = old + param.grad
+                    averager.accumulate_grads_(batch_size=batch_size)
+                local.append(total)
+            controls = [averager.step(wait=False, timeout=30) for averager in averagers]
+            for control in controls:
+                assert control.result(timeout=60) is not None, "the peers did not average together"
+            micro = [len(b) for b in batches]
+            weights = [sum(b) for b in batches]
+            expected = [(weights[0] * g0 / micro[0] + weights[1] * g1 / micro[1]) / sum(weights)
+                        for g0, g1 in zip(*local)]
+            for averager in averagers:
+                with averager.get_tensors() as averaged:
+                    for avg, exp in zip(averaged, expected, strict=True):
+                        assert avg.dtype == torch.bfloat16
+                        torch.testing.assert_close(avg.double(), exp, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("other", ["upstream", "ours"])
+def test_fp32_averaged_grads_on_one_side_is_a_warning(tmp_path, other):
+    """averaged_grads_dtype=torch.float32 on one peer only: the peers never average (BAD_SCHEMA_HASH); each peer of
+    ours says so at WARNING level, once, naming averaged_grads_dtype (the warning is logged in the averager's own
+    process: a file handler installed before they start sees it)"""
+    log_file = tmp_path / "warnings.log"
+    handler = logging.FileHandler(log_file)
+    handler.setFormatter(logging.Formatter("%(process)d %(levelno)d %(message)s"))
+    schema_logger = logging.getLogger(schema_mismatch.__name__)
+    schema_logger.addHandler(handler)
+    try:
+        with swarm(2) as dhts:
+            models = [torch.nn.Linear(8, 6).bfloat16() for _ in range(2)]
+            first_cls = UpstreamGradientAverager if other == "upstream" else GradientAverager
+            kwargs = dict(prefix="split", target_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5,
+                          start=True)
+            averagers = [
+                first_cls(models[0].parameters(), dht=dhts[0], **kwargs),
+                GradientAverager(models[1].parameters(), dht=dhts[1], averaged_grads_dtype=torch.float32, **kwargs),
+            ]
+            with shutting_down(*averagers):
+                assert averagers[0].schema_hash != averagers[1].schema_hash
+                for peer, (model, averager) in enumerate(zip(models, averagers)):
+                    _bf16_peer_gradients(model, peer, 0)
+                    averager.accumulate_grads_(batch_size=4)
+                for _ in range(2):  # two rounds: each peer warns once only
+                    controls = [averager.step(wait=False, timeout=4) for averager in averagers]
+                    for control in controls:
+                        with pytest.raises(Exception):
+                            control.result(timeout=30)
+                    for averager in averagers:
+                        averager.reset_accumulated_grads_()
+                        averager.accumulate_grads_(batch_size=4)
+                ours = averagers if other == "ours" else averagers[1:]
+                pids = {averager.pid for averager in ours}
+    finally:
+        schema_logger.removeHandler(handler)
+        handler.close()
+    lines = [line for line in log_file.read_text().splitlines() if "BAD_SCHEMA_HASH" in line]
+    assert sorted(int(line.split()[0]) for line in lines) == sorted(pids), lines
+    for line in lines:
+        assert int(line.split()[1]) == logging.WARNING and "averaged_grads_dtype" in line, line
+
+
+@pytest.mark.forked
+def test_offloaded_optimizer_gets_float32_grads_from_bf16_averaged_buffers():
+    """a bf16 model with the default offloaded optimizer: the averaged buffers are bf16 (as upstream's), the offloaded
+    float32 parameters get float32 .grad of their own, filled from them when a round's result is loaded"""
+    model = torch.nn.Linear(4, 3).bfloat16()
+    dht = hivemind.DHT(start=True)
+    opt = hivemind_accum.Optimizer(
+        dht=dht, run_id="offloaded_bf16", params=model.parameters(), optimizer=lambda p: torch.optim.SGD(p, lr=0.5),
+        target_batch_size=8, batch_size_per_step=2, tracker_opts=SINGLE_PEER_TRACKER,
+    )
+    try:
+        offloaded = [param for group in opt.state_averager.optimizer.param_groups for param in group["params"]]
+        with opt.grad_averager.get_tensors() as averaged:
+            for k, (tensor, param) in enumerate(zip(averaged, offloaded, strict=True)):
+                assert tensor.dtype == torch.bfloat16 and param.grad.dtype == torch.float32
+                tensor.copy_(torch.full_like(tensor, 0.25 * (k + 1)))
+        opt._load_gradients_into_optimizer_()
+        for k, param in enumerate(offloaded):
+            torch.testing.assert_close(param.grad, torch.full_like(param, 0.25 * (k + 1)))
+    finally:
+        opt.shutdown()
+        dht.shutdown()

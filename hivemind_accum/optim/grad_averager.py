@@ -16,19 +16,22 @@ import inspect
 import numbers
 import operator
 import warnings
-from typing import ContextManager, Iterable, Iterator, Optional, Sequence
+from typing import AsyncIterator, ContextManager, Iterable, Iterator, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.dht import DHT
 from hivemind.optim import grad_averager as upstream
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 
 from hivemind_accum.optim.grad_buckets import LOW_PRECISION, GradientBuckets
 from hivemind_accum.optim.grad_views import GradViews
 from hivemind_accum.optim.local_fallback import LocalFallback
 from hivemind_accum.optim.round_guard import RoundGuard
+from hivemind_accum.optim.schema_mismatch import SchemaMismatchWarning
 
 logger = get_logger(__name__)
 
@@ -45,7 +48,10 @@ class GradientAverager(upstream.GradientAverager):
     - in place (``reuse_grad_buffers=True``): every ``param.grad`` is a view of the accumulator, so autograd
       accumulates into it and a micro-step does no tensor work; every micro-step counts equally.
 
-    The averaged buffers are float32 for fp16/bf16 parameters, the parameters' dtype otherwise.
+    The averaged (all-reduced) buffers have the parameters' dtype, as upstream's, so peers of hivemind 1.1.12 and of
+    this package average together; ``averaged_grads_dtype=torch.float32`` averages fp16/bf16 gradients in float32
+    instead. Peers average only with peers whose averaged buffers match (the schema hash): a peer that meets one that
+    chose differently logs a WARNING naming the argument, once (docs/mixed-precision.md).
 
     :param parameters: pytorch parameters for which to aggregate gradients: dense float tensors on any devices and
       dtypes; the accumulators form one flat buffer per (device, dtype) group
@@ -63,6 +69,10 @@ class GradientAverager(upstream.GradientAverager):
     :param warn: if True, warn when the averager did not reset accumulators after use or did not use averaging results
     :param averaged_grads: if provided, the tensors to all-reduce: one per parameter, of the parameter's shape, on
       CPU. By default, one flat shared-memory CPU buffer per bucket, cut into per-parameter views.
+    :param averaged_grads_dtype: None (default): the averaged buffers have each parameter's dtype;
+      ``torch.float32``: fp16/bf16 gradients are averaged in float32 (twice the host memory and traffic; such a peer
+      averages only with peers that set it too). Accumulators are unaffected (see ``accumulate_in_fp32``). Ignored
+      if ``averaged_grads`` is given.
     :param kwargs: see DecentralizedAverager keyword arguments for additional parameters
     :raises ValueError: naming the parameter, for an empty or invalid ``parameters`` (naming both positions of a
       tensor listed twice) or a wrong ``averaged_grads``
@@ -82,8 +92,11 @@ class GradientAverager(upstream.GradientAverager):
         client_mode: bool = None,
         warn: bool = True,
         averaged_grads: Sequence[torch.Tensor] = (),
+        averaged_grads_dtype: Optional[torch.dtype] = None,
         **kwargs,
     ):
+        if averaged_grads_dtype not in (None, torch.float32):
+            raise ValueError(f"averaged_grads_dtype: expected None or torch.float32, got {averaged_grads_dtype!r}")
         if reuse_grad_buffers and accumulate_grads_on is not None:
             logger.warning("Setting 'accumulate_grads_on' has no effect if reuse_grad_buffers=True")
             accumulate_grads_on = None
@@ -101,6 +114,7 @@ class GradientAverager(upstream.GradientAverager):
         averaged_grads = tuple(averaged_grads or ())
         if averaged_grads:
             _check_averaged_grads(self.parameters, averaged_grads)
+        self.averaged_grads_dtype = averaged_grads_dtype
         self._accumulators = GradientBuckets(
             self.parameters, device=accumulate_grads_on, upcast=accumulate_in_fp32 and not reuse_grad_buffers
         )
@@ -121,8 +135,13 @@ class GradientAverager(upstream.GradientAverager):
         if averaged_grads:
             self._averaged_buckets = None
         else:
-            self._averaged_buckets = GradientBuckets(self.parameters, device="cpu", share_memory=True, upcast=True)
+            self._averaged_buckets = GradientBuckets(
+                self.parameters, device="cpu", share_memory=True, upcast=averaged_grads_dtype == torch.float32
+            )
             averaged_grads = self._averaged_buckets.views
+        self._schema_mismatch = SchemaMismatchWarning(
+            self.parameters, averaged_grads, averaged_grads_dtype, custom=self._averaged_buckets is None
+        )
         # the latest round's local gradients, kept (in the accumulators, or on the host if micro-steps of the next
         # epoch arrive before the round is settled) until its result is used: a failed round falls back to them
         self.local_fallback = LocalFallback(self._accumulators, self.parameters, in_place=reuse_grad_buffers)
@@ -138,11 +157,29 @@ class GradientAverager(upstream.GradientAverager):
         if hasattr(self, "_parent_pid"):  # a constructor that raised before DecentralizedAverager.__init__ ran
             super().__del__()
 
+    averaged_grads_dtype: Optional[torch.dtype] = None  # see __init__; a class default read before it (PowerSGD)
+
     def _grads_from_parameters(self) -> Iterator[torch.Tensor]:
-        """shape and dtype of each averaged gradient (float32 for fp16/bf16 parameters) as meta tensors, for
-        subclasses that size their own buffers from it (PowerSGD); this never touches ``.grad``"""
+        """shape and dtype of each averaged gradient (see ``averaged_grads_dtype``) as meta tensors, for subclasses
+        that size their own buffers from it (PowerSGD); this never touches ``.grad``"""
         for param in self.parameters:
-            yield torch.empty_like(param, device="meta", dtype=torch.float32 if param.dtype in LOW_PRECISION else None)
+            upcast = self.averaged_grads_dtype is not None and param.dtype in LOW_PRECISION
+            yield torch.empty_like(param, device="meta", dtype=self.averaged_grads_dtype if upcast else None)
+
+    def _run_internal(self):
+        """the averager's background process: also watch matchmaking for peers of another schema"""
+        self._schema_mismatch.watch_follower_side_()
+        super()._run_internal()
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """the reply to a group request; one refused for its schema hash is reported once
+        (:class:`SchemaMismatchWarning`)"""
+        async for response in super().rpc_join_group(request, context):
+            if response.code == averaging_pb2.BAD_SCHEMA_HASH:
+                self._schema_mismatch.report_(context.remote_id, request.schema_hash)
+            yield response
 
     @torch.no_grad()
     def _grad_accumulators(self) -> Iterator[torch.Tensor]:

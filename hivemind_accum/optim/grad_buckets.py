@@ -273,13 +273,14 @@ class GradientBuckets:
 
         :param destination: either buckets built from the same tensors (same grouping and layout, e.g. the
           averager's shared CPU buffers): per bucket one ``torch.mul(..., out=)`` when both buffers share a device
-          and dtype, otherwise one bulk copy and one in-place ``mul_``; or one tensor per view, of the same shape,
-          on any device: per bucket one fused ``_foreach_copy_`` and one ``_foreach_mul_``.
+          (a float32 source rounded once into an fp16/bf16 destination), otherwise one bulk copy and one in-place
+          ``mul_``; or one tensor per view, of the same shape, on any device: per bucket one fused ``_foreach_copy_``
+          and one ``_foreach_mul_``.
         :param scale: multiplier, e.g. ``1 / micro_steps`` for averaging-time normalization
         """
         if isinstance(destination, GradientBuckets):
             for src, dst in zip(self.buckets, destination.buckets):
-                if src.flat.device == dst.flat.device and src.flat.dtype == dst.flat.dtype:
+                if _mul_fits(src.flat, dst.flat):
                     torch.mul(src.flat, scale, out=dst.flat)
                 else:
                     dst.flat.copy_(src.flat)
@@ -325,13 +326,19 @@ def _scaled_copy_with_checksums(src: torch.Tensor, dst: torch.Tensor, scale: flo
     if not same_device:
         dst.copy_(src)
     for src_chunk, dst_chunk in zip(src.split(CHECK_CHUNK), dst.split(CHECK_CHUNK)):
-        if same_device and src.dtype == dst.dtype:
+        if _mul_fits(src, dst):
             torch.mul(src_chunk, scale, out=dst_chunk)
         else:
             if same_device:
                 dst_chunk.copy_(src_chunk)
             dst_chunk.mul_(scale)
         torch.sum(dst_chunk, dim=0, dtype=torch.float32, out=next(slots))
+
+
+def _mul_fits(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """whether ``torch.mul(src, scale, out=dst)`` writes the scaled copy directly: same device, and ``src``'s dtype at
+    least as wide as ``dst``'s (float32 into bf16 is rounded once; bf16 into float32 would be scaled in bf16)"""
+    return src.device == dst.device and src.dtype.itemsize >= dst.dtype.itemsize
 
 
 def _host_check_is_free(buckets: GradientBuckets) -> bool:

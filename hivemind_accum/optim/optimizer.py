@@ -26,6 +26,7 @@ from hivemind_accum.optim.torch_internals import (
     back_off_loss_scale_,
     check_hivemind_grad_scaler_internals,
     declare_scaling_aware_step,
+    foreach_copy_,
     foreach_zero_,
     inv_loss_scale,
     record_found_inf_,
@@ -356,13 +357,17 @@ class Optimizer(upstream.Optimizer):
     def _load_gradients_into_optimizer_(self):
         """upstream's ``_load_averaged_gradients_into_optimizer_``, after creating any missing ``.grad`` in the
         parameter's dtype and device (not offloaded), so that upstream copies the averaged gradient into it (upstream
-        would assign a clone of the float32 CPU buffer, which cannot be the ``.grad`` of an fp16/bf16 or CUDA
-        parameter)"""
+        would assign a clone of the CPU buffer, which cannot be the ``.grad`` of a CUDA parameter, nor of an fp16/bf16
+        one with ``averaged_grads_dtype=torch.float32``); offloaded, after filling the optimizer's own float32
+        ``.grad`` from fp16/bf16 averaged buffers"""
         if not self.offload_optimizer:
             for group in self.state_averager.optimizer.param_groups:
                 for param in group["params"]:
                     if param.grad is None:
                         param.grad = torch.zeros_like(param)
+        elif getattr(self, "_offloaded_grad_copies", ([], []))[0]:  # see _bind_offloaded_grads_
+            with torch.no_grad(), self.grad_averager.get_tensors():
+                foreach_copy_(*self._offloaded_grad_copies)
         super()._load_averaged_gradients_into_optimizer_()
 
     def _step_with_host_copy(self) -> bool:
@@ -478,7 +483,43 @@ class Optimizer(upstream.Optimizer):
                 foreach_zero_(grads)
 
     def _make_gradient_averager(self, factory: Optional[GradientAveragerFactory], **kwargs) -> GradientAverager:
-        return super()._make_gradient_averager(factory if factory is not None else GradientAverager, **kwargs)
+        """the gradient averager, built by ``factory`` (by default :class:`GradientAverager`); offloaded, the
+        optimizer's ``.grad`` are then bound to its averaged buffers (:meth:`_bind_offloaded_grads_`)"""
+        assert hasattr(self, "state_averager"), "must initialize state averager first"
+        factory = factory if factory is not None else GradientAverager
+        grad_averager = factory(
+            dht=self.dht,
+            prefix=f"{self.run_id}_grad_averager",
+            parameters=self.state_averager.main_parameters,
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
+        if self.offload_optimizer:
+            self._bind_offloaded_grads_(grad_averager)
+        return grad_averager
+
+    @torch.no_grad()
+    def _bind_offloaded_grads_(self, grad_averager) -> None:
+        """offloaded: each optimizer parameter's ``.grad`` is its averaged buffer where the dtypes match, or, where the
+        dtypes differ (fp16/bf16 averaged buffers, float32 optimizer parameters), a float32 tensor of its own that
+        :meth:`_load_gradients_into_optimizer_` fills once per round"""
+        params = [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]
+        self._offloaded_grad_copies = ([], [])  # (the optimizer's .grad, the averaged buffers)
+        with grad_averager.get_tensors() as averaged_grads:
+            assert len(averaged_grads) == len(params)
+            for param, averaged in zip(params, averaged_grads):
+                if param.dtype == averaged.dtype:
+                    param.grad = averaged
+                else:
+                    param.grad = torch.zeros_like(param)
+                    self._offloaded_grad_copies[0].append(param.grad)
+                    self._offloaded_grad_copies[1].append(averaged)
 
 
 def _qualified_name(obj) -> str:

@@ -29,6 +29,14 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
 
     keep_local_fallback = False
 
+    def __init__(self, *args, averaged_grads_dtype: torch.dtype = torch.float32, **kwargs):
+        """the class's parameters, and ``averaged_grads_dtype``, which accepts only ``torch.float32``: fp16/bf16
+        gradients are averaged in float32 (PowerSGD fails on them in their own dtype, hivemind#545)"""
+        if averaged_grads_dtype != torch.float32:
+            raise ValueError(f"averaged_grads_dtype: PowerSGD averages in torch.float32, got {averaged_grads_dtype!r}")
+        self.averaged_grads_dtype = averaged_grads_dtype  # read by _grads_from_parameters before __init__ sets it
+        super().__init__(*args, averaged_grads_dtype=averaged_grads_dtype, **kwargs)
+
     @torch.no_grad()
     def load_accumulators_into_averager_(self):
         """:meth:`GradientAverager.load_accumulators_into_averager_`, after :meth:`discard_nonfinite_round_`: this

@@ -270,6 +270,11 @@ KEPT_HELPERS = {
         "the previous report_local_progress. The new one still calls it for arguments that are not plain "
         "non-negative ints, so that they raise LocalTrainingProgress's ValidationError as before."
     ),
+    "PowerSGDGradientAverager._base_init": (
+        "the previous __init__. The new one takes averaged_grads_dtype, which it accepts only as torch.float32 "
+        "(PowerSGD fails on fp16/bf16 gradients in their own dtype, hivemind#545), sets it before the previous "
+        "__init__ sizes its buffers from _grads_from_parameters, and passes it on to GradientAverager."
+    ),
     "Optimizer._base_step": (
         "the previous step. The new one hands a torch.amp.GradScaler to the micro-step accumulation for one call "
         "only (set before it calls the previous step with grad_scaler=None, cleared in a finally clause), and calls "

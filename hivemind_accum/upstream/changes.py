@@ -93,10 +93,13 @@ layout of PyTorch DDP's gradient_as_bucket_view):
   before autograd adds detaches the view, optim/grad_views.py); a .grad computed from the running sum
   (p.grad = f(p.grad)) raises a ValueError naming the parameter; Optimizer.zero_grad is allowed in this mode.
 
-The averaging-time load is one scaled copy per bucket into the averager's shared buffers, which are flat as well.
-The averaged buffers are float32 for fp16/bf16 parameters, so the optimizer creates a missing .grad in the
-parameter's dtype before copying into it. Fused ops go through optim/torch_internals.py, which falls back to one op
-per sparse tensor where a torch release has no sparse kernel.
+The averaging-time load is one scaled copy per bucket into the averager's shared buffers, which are flat as well and
+keep the parameters' dtype, as before; averaged_grads_dtype=torch.float32 makes them float32 for fp16/bf16 parameters
+(the copy then rounds nothing). The optimizer creates a missing .grad in the parameter's dtype and device before
+copying into it; an offloaded optimizer, whose parameters are float32, gets a float32 .grad of its own where the
+averaged buffers are fp16/bf16, filled once per round (its constructor failed on such a model before). Fused ops go
+through optim/torch_internals.py, which falls back to one op per sparse tensor where a torch release has no sparse
+kernel.
 
 Measured on a CPU (2 cores, fp32, medians of the no-sync step): ResNet-152 34.2 ms before, 31.6 ms with
 reuse_grad_buffers=False, 0.56 ms with reuse_grad_buffers=True; ConvNeXt-Large 102.0, 99.5 and 0.52 ms; a
@@ -105,11 +108,14 @@ benchmarks/sweep.py and main job). On an accelerator each avoided kernel launch 
 
 What changes for users: parameters must be dense floating-point tensors, each listed once, and averaged_grads, if
 given, one CPU tensor per parameter of its shape (a ValueError names the offending position otherwise). The averaged
-tensors of fp16/bf16 parameters are float32, so the averager's schema hash differs and such peers do not join rounds
-with peers of earlier versions. The fused ops need torch 2.3 or newer (torch._foreach_copy_ and torch.amp), above
-requirements.txt's torch>=1.9.0.
+tensors keep the parameters' dtype by default, so fp16/bf16 peers still average with peers of earlier versions.
+With averaged_grads_dtype=torch.float32 the averaged tensors of fp16/bf16 parameters are float32: the averager's
+schema hash differs, and such peers join rounds only with peers that set it too. Matchmaking refuses the others with
+BAD_SCHEMA_HASH, logged at DEBUG level; a peer on either side of such a refusal now logs a WARNING naming
+averaged_grads_dtype, once (optim/schema_mismatch.py). The fused ops need torch 2.3 or newer (torch._foreach_copy_
+and torch.amp), above requirements.txt's torch>=1.9.0.
 """,
-    enters=("torch_internals", "grad_buckets", "grad_views", "grad_averager", "optimizer"),
+    enters=("torch_internals", "grad_buckets", "grad_views", "schema_mismatch", "grad_averager", "optimizer"),
     hivemind={
         "grad_averager": (
             Edit(
@@ -312,11 +318,12 @@ accelerator once per micro-batch.
                 "    back_off_loss_scale_,\n"
                 "    check_hivemind_grad_scaler_internals,\n"
                 "    declare_scaling_aware_step,\n"
+                "    foreach_copy_,\n"
                 "    foreach_zero_,\n"
                 "    inv_loss_scale,\n"
                 "    record_found_inf_,\n"
                 ")\n",
-                "from hivemind_accum.optim.torch_internals import foreach_zero_\n",
+                "from hivemind_accum.optim.torch_internals import foreach_copy_, foreach_zero_\n",
             ),
         ),
     },
@@ -367,7 +374,7 @@ gradients, where it would load the next round's window, which the next round the
             "GradientAverager.step",
             "GradientAverager._beginning_round",
             "GradientAverager.notify_used_averaged_gradients",
-            Edit("from typing import ContextManager, Iterable,", "from typing import Iterable,"),
+            Edit("from typing import AsyncIterator, ContextManager, Iterable,", "from typing import AsyncIterator, Iterable,"),
             Edit(
                 "        if self.local_fallback.holding:  # the first micro-step after a round began: the accumulators "
                 "start over\n"
@@ -509,6 +516,7 @@ all-reduce, and a peer downloading the state copied whatever it received.
             "Optimizer._make_state_averager",
             Edit("    def _load_gradients_into_optimizer_(self):\n",
                  "    def _load_averaged_gradients_into_optimizer_(self):\n"),
+            Edit(":meth:`_load_gradients_into_optimizer_` fills", ":meth:`_load_averaged_gradients_into_optimizer_` fills"),
         ),
     },
 )
