@@ -82,11 +82,12 @@ FUSED_ACCUMULATION = Edit(
         "            alpha = float(batch_size) / self._anchor_batch_size\n"
         "            grouped_accs, grouped_bufs = defaultdict(list), defaultdict(list)\n"
         "            for grad_buf, grad_acc in zip(self._grads_from_parameters(), self._grad_accumulators()):\n"
-        "                if grad_buf.is_sparse or (grad_buf.device, grad_buf.dtype) != (grad_acc.device, grad_acc.dtype):\n"
+        "                key = (grad_acc.device, grad_acc.dtype)\n"
+        "                if grad_buf.layout != torch.strided or (grad_buf.device, grad_buf.dtype) != key:\n"
         "                    grad_acc.add_(grad_buf.to(grad_acc.device), alpha=alpha)\n"
         "                else:\n"
-        "                    grouped_accs[grad_acc.device, grad_acc.dtype].append(grad_acc)\n"
-        "                    grouped_bufs[grad_acc.device, grad_acc.dtype].append(grad_buf)\n"
+        "                    grouped_accs[key].append(grad_acc)\n"
+        "                    grouped_bufs[key].append(grad_buf)\n"
         "            for key, grad_accs in grouped_accs.items():\n"
         "                torch._foreach_add_(grad_accs, grouped_bufs[key], alpha=alpha)\n"
     ),
@@ -108,7 +109,8 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "parameter tensor: a kernel launch per tensor on a GPU on every no-sync Optimizer.step() "
                 "(related to #566). Gradients whose accumulator has the same device and dtype are now added with "
                 "one torch._foreach_add_ per (device, dtype) group, as torch.optim groups its foreach ops. Sparse "
-                "gradients and accumulators on another device (accumulate_grads_on=) keep the per-tensor add. "
+                "or other non-strided gradients and accumulators on another device (accumulate_grads_on=) keep the "
+                "per-tensor add. "
                 "The values are the same: the same additions with the same alpha.",
                 (DEFAULTDICT_IMPORT, FUSED_ACCUMULATION),
                 ("tests/test_grad_accumulation.py", "benchmarks/benchmark_no_sync_step.py"),
