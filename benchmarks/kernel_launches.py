@@ -51,10 +51,9 @@ def multi_tensor_launches(numels: Iterable[int], depth: int, large_kernel_args: 
 
 
 # exact mode's loss-scaled no-sync step (scaler.step and scaler.update) runs, besides its two fused ops, these aten ops
-# on one element or on the flat buffer, each launching one kernel at most: the inverse scale (2 casts, reciprocal),
-# found_inf (zeros, the drop mask, clamp_), the masked add (masked_fill_, add_), the drop counters (in place) and the scaler's
-# update; tests/test_benchmark_tools.py counts them on the CPU
-EXACT_STEP_OTHER_OPS = 18
+# on one element each, each launching one kernel at most: the inverse scale (2 casts, reciprocal), found_inf (zeros), the
+# drop counters (in place) and the scaler's update; tests/test_benchmark_tools.py counts them on the CPU
+EXACT_STEP_OTHER_OPS = 14
 
 
 def exact_step_kernels(numels: Iterable[int], large_kernel_args: bool = False) -> int:
@@ -63,18 +62,18 @@ def exact_step_kernels(numels: Iterable[int], large_kernel_args: bool = False) -
 
     :param numels: each parameter's element count, in order
     :param large_kernel_args: as in :func:`multi_tensor_launches`
-    :returns: the fused copy into staging (depth 2), the fused unscale of the flat staging buffer (depth 1) and
+    :returns: the fused check and unscale of ``.grad`` (depth 1), the fused add that skips on overflow (depth 2) and
       :data:`EXACT_STEP_OTHER_OPS` launches
     """
     numels = list(numels)
-    return (multi_tensor_launches(numels, 2, large_kernel_args) + multi_tensor_launches([sum(numels)], 1, large_kernel_args)
+    return (multi_tensor_launches(numels, 1, large_kernel_args) + multi_tensor_launches(numels, 2, large_kernel_args)
             + EXACT_STEP_OTHER_OPS)
 
 
 def main():
     from benchmarks.models import build_model
 
-    print("| model | tensors | chunks | kernel arguments | fused add or copy | fused unscale of one flat buffer "
+    print("| model | tensors | chunks | kernel arguments | fused add | fused unscale "
           "| exact step at most |")
     print("|---|---|---|---|---|---|---|")
     for name in ("resnet152", "convnext-large"):
@@ -82,7 +81,7 @@ def main():
         chunks = sum(-(-numel // CHUNK_SIZE) for numel in numels)
         for large in (False, True):
             print(f"| {name} | {len(numels)} | {chunks} | {'32 KB' if large else '4 KB'} "
-                  f"| {multi_tensor_launches(numels, 2, large)} | {multi_tensor_launches([sum(numels)], 1, large)} "
+                  f"| {multi_tensor_launches(numels, 2, large)} | {multi_tensor_launches(numels, 1, large)} "
                   f"| {exact_step_kernels(numels, large)} |")
 
 

@@ -9,8 +9,8 @@ the accelerator's loss-scaling path forced.
   ``top_level_ops`` on a 400-tensor MLP); with them the kernel launches on ResNet-152 and ConvNeXt-Large: upstream at
   least one per parameter tensor, exact mode the fused ops' launches (``benchmarks.kernel_launches``, 4 KB kernel
   arguments) plus its other ops;
-- gradient bytes read and written per parameter element (float32 ``.grad``, accumulators and staging buffer), from the
-  ops each step runs (docs/gpu.md).
+- gradient bytes read and written per parameter element (float32 ``.grad`` and accumulators), from the ops each step
+  runs (docs/gpu.md).
 
 Run: ``python -m benchmarks.seed_costs`` (about a minute on 2 CPU cores).
 """
@@ -25,9 +25,9 @@ from hivemind_accum.optim import grad_buckets
 MODES = ("upstream", "exact", "in place")
 # bytes per float32 parameter element read + written by one no-sync step:
 # upstream: the scaler's inf check, an in-place unscale by 1 of .grad (4 + 4), then per tensor acc.add_(grad) (4 + 8);
-# exact: fused copy of .grad into staging (4 + 4), unscale of staging (4 + 4), masked_fill_ of staging (4 + 4),
-#        acc.add_(staging) (4 + 8); in place: nothing (autograd accumulated into .grad during backward)
-BYTES_PER_ELEMENT = {"upstream": 8 + 12, "exact": 8 + 8 + 8 + 12, "in place": 0}
+# exact: the fused check and unscale of .grad in place (4 + 4), then the fused add that skips on overflow (4 + 8);
+# in place: nothing (autograd accumulated into .grad during backward)
+BYTES_PER_ELEMENT = {"upstream": 8 + 12, "exact": 8 + 12, "in place": 0}
 
 
 def host_reads() -> dict:
@@ -54,7 +54,7 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for name in ("resnet152", "convnext-large"):
         numels = [p.numel() for p in build_model(name).parameters()]
-        fused = multi_tensor_launches(numels, 2) + multi_tensor_launches([sum(numels)], 1)
+        fused = multi_tensor_launches(numels, 1) + multi_tensor_launches(numels, 2)
         launches = {"upstream": f"at least {len(numels)}", "exact": f"at most {fused + ops['exact'] - 2}",
                     "in place": f"at most {ops['in place']}"}
         for mode in MODES:

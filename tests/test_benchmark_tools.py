@@ -225,7 +225,7 @@ def test_main_job_outside_step_reason_agrees_with_its_numbers():
     ("upstream, reuse_grad_buffers=False", torch.float16, (2, 2, 2)),
     ("exact", torch.float32, (4, 4, 4)),
     ("exact", torch.bfloat16, (2, 8, 2)),  # float32 staging buffer and accumulators, bf16 shared buffers
-    ("exact, loss scaling on an accelerator", torch.float32, (4, 8, 4)),
+    ("exact, loss scaling on an accelerator", torch.float32, (4, 4, 4)),  # .grad unscaled in place: no staging
     ("exact, accumulate_in_fp32=False", torch.float16, (2, 2, 2)),
     ("exact, averaged_grads_dtype=torch.float32", torch.bfloat16, (2, 8, 4)),
     ("in place", torch.float16, (2, 0, 2)),

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.kernel_launches import multi_tensor_launches
 import hivemind_accum
 from hivemind_accum import GradientAverager
-from hivemind_accum.optim import torch_internals
+from hivemind_accum.optim import grad_buckets, torch_internals
 from hivemind_accum.optim.grad_buckets import GradientBuckets
 from tests.conftest import DEVICES, NEEDS_CUDA, SINGLE_PEER_TRACKER
 from tests.test_mixed_precision import force_loss_scaling_path
@@ -192,27 +192,49 @@ def loss_scaled_add_cost(num_layers: int) -> dict:
     return costs
 
 
+def force_fused_add(fused: bool) -> None:
+    """make add_finite_'s device path take the fused skipping add (``fused``) or the staging buffer; call it in the
+    test's own process (forked). The fused add needs a torch with a CPU kernel for ``_fused_sgd_`` (2.4 and later)"""
+    if fused and not torch_internals.has_add_unless_found_inf(torch.device("cpu")):
+        pytest.skip(f"torch {torch.__version__} has no CPU kernel for _fused_sgd_: the staging path runs here")
+    grad_buckets.has_add_unless_found_inf = lambda device: fused
+
+
+# per (device path's add, tensors): the first micro-step's bytes allocated, and the top-level ops of every later one
+FUSED_ADD_COSTS = {
+    # zero_ (found_inf), the fused check and unscale of .grad in place, the fused skipping add; found_inf: 4 bytes
+    True: (lambda tensors: 4, 3),
+    # zero_, _foreach_copy_ (staging), the fused check and unscale, logical_or, masked_fill_, add_; the staging
+    # buffer (float32, the gradients' size), the drop mask (1 byte) and found_inf (4 bytes)
+    False: (lambda tensors: 4 * tensors // 2 * (8 * 8 + 8) + 1 + 4, 6),
+}
+
+
 @pytest.mark.forked
-def test_loss_scaled_device_path_allocates_nothing_after_the_first_micro_step():
-    """add_finite_ as on an accelerator (forced on the CPU): the first micro-step allocates the staging buffer (float32,
-    the gradients' size), the drop mask (1 byte) and the overflow flag (4 bytes) once; later ones allocate nothing and
-    run as many top-level ops for 400 tensors as for 40"""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_add", "staging"])
+def test_loss_scaled_device_path_allocates_nothing_after_the_first_micro_step(fused):
+    """add_finite_ as on an accelerator (forced on the CPU): the first micro-step allocates its flags (and, without the
+    fused skipping add, the staging buffer) once; later ones allocate nothing and run as many top-level ops for 400
+    tensors as for 40"""
     force_loss_scaling_path("device_check")
+    force_fused_add(fused)
     torch_internals.check_torch_internals()  # the first use's checks of torch's private interfaces, not counted here
     costs = {2 * num_layers: loss_scaled_add_cost(num_layers) for num_layers in (20, 200)}
+    first_bytes, ops = FUSED_ADD_COSTS[fused]
     for tensors, cost in costs.items():
-        assert cost["first"].allocated_bytes == 4 * tensors // 2 * (8 * 8 + 8) + 1 + 4, costs
+        assert cost["first"].allocated_bytes == first_bytes(tensors), costs
         assert cost["second"].allocated_bytes == 0, costs
-    # zero_ (found_inf), _foreach_copy_ (staging), the fused check and unscale, logical_or, masked_fill_, add_, clamp_
-    assert costs[40]["second"].top_level_ops == costs[400]["second"].top_level_ops == 7, costs
+    assert costs[40]["second"].top_level_ops == costs[400]["second"].top_level_ops == ops, costs
 
 
 @pytest.mark.forked
-def test_loss_scaled_micro_step_of_the_averager_allocates_nothing_after_the_first(dht):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_add", "staging"])
+def test_loss_scaled_micro_step_of_the_averager_allocates_nothing_after_the_first(dht, fused):
     """GradientAverager.accumulate_grads_ with a loss scale, as on an accelerator (forced on the CPU): from the second
     micro-step on it allocates nothing (staging buffer, overflow flags and drop counters persist) and runs as many
     top-level ops for 400 tensors as for 40"""
     force_loss_scaling_path("device_check")
+    force_fused_add(fused)
     torch_internals.check_torch_internals()  # the first use's checks of torch's private interfaces, not counted here
     inv_scale = torch.tensor(1 / 1024)
     costs = {}
@@ -229,5 +251,6 @@ def test_loss_scaled_micro_step_of_the_averager_allocates_nothing_after_the_firs
             costs[2 * num_layers].append(StepCost(len(ops.ops), allocated, device_to_host_copies=0))
     for tensors, steps in costs.items():
         assert steps[1].allocated_bytes == steps[2].allocated_bytes == 0, costs
-    # add_finite_'s 7 (see above), then the drop counters': add_ (samples), add_ (micro-steps), logical_not, add_, addcmul_
-    assert costs[40][2].top_level_ops == costs[400][2].top_level_ops == 12, costs
+    # add_finite_'s (see FUSED_ADD_COSTS), then the drop counters': add_ (samples), add_ (micro-steps), logical_not,
+    # add_, addcmul_
+    assert costs[40][2].top_level_ops == costs[400][2].top_level_ops == FUSED_ADD_COSTS[fused][1] + 5, costs

@@ -25,13 +25,17 @@ from tests.conftest import (
 from tests.test_grad_scaler import BATCH, EPOCHS, LR, MICRO_STEPS, SCALE, make_model
 from tests.upstream_checks import HostReads  # counts aten::_local_scalar_dense: .item(), float(), bool(), .tolist()
 
-LOSS_SCALING_PATHS = ["host_check", "device_check"]  # GradientBuckets.add_finite_'s two paths
+# GradientBuckets.add_finite_'s paths: read on the host; on the device, with the fused skipping add where torch has a
+# kernel for it (else as device_staging); on the device, every bucket through its staging buffer
+LOSS_SCALING_PATHS = ["host_check", "device_check", "device_staging"]
 
 
 def force_loss_scaling_path(path: str) -> None:
     """make add_finite_ take ``path`` even on CPU (it picks host_check when all data is on the CPU); call it in the
     process that trains (tests here are forked, so the change dies with the test)"""
     grad_buckets._host_check_is_free = lambda buckets: path == "host_check"
+    if path == "device_staging":
+        grad_buckets.has_add_unless_found_inf = lambda device: False
 
 
 @pytest.mark.forked
@@ -74,7 +78,8 @@ def test_low_precision_gradients_accumulate_in_fp32(dht, dtype):
 @pytest.mark.parametrize("path", LOSS_SCALING_PATHS)
 def test_overflowing_micro_step_is_dropped(dht, path, device):
     """a scripted inf/NaN in micro-step j of K: the averaged gradient equals native accumulation of the other K - 1
-    (unscaled), the averaging weight counts their samples only, and .grad is left untouched; in both paths"""
+    (unscaled), the averaging weight counts their samples only, and .grad of a bucket staged for its sparse gradient
+    is left untouched; in every path"""
     force_loss_scaling_path(path)
     torch.manual_seed(0)
     model = MixedNet().to(device)
@@ -108,6 +113,49 @@ def test_overflowing_micro_step_is_dropped(dht, path, device):
             torch.testing.assert_close(avg, exp.cpu() / 3)
     averager.reset_accumulated_grads_()
     assert averager._dropped_micro_steps.item() == 0
+
+
+@pytest.mark.forked
+def test_fused_skipping_add_unscales_grad_in_place_and_holds_no_staging_buffer(dht):
+    """the device path with dense gradients of the accumulators' dtype (channels_last and float64 ones included, a
+    frozen layer and a sometimes-unused one): each .grad is unscaled in place, as torch.amp.GradScaler.unscale_ leaves
+    it; an overflowing micro-step adds nothing; the sum equals native accumulation of the kept micro-steps; no bucket
+    allocates a staging buffer. A .grad with other strides than its parameter takes the staging buffer, same sums"""
+    if not torch_internals.has_add_unless_found_inf(torch.device("cpu")):
+        pytest.skip(f"torch {torch.__version__} has no CPU kernel for _fused_sgd_: the staging path runs here")
+    force_loss_scaling_path("device_check")
+    torch.manual_seed(0)
+    model = MixedNet(sparse_embedding=False)
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="fused", start=False)
+    scale, batch = 2.0**10, 3
+    generator = torch.Generator().manual_seed(1)
+    native = [torch.zeros_like(p) for p in model.parameters()]
+    for j in range(5):
+        images, tokens, targets = mixed_batch(generator, batch)
+        model.zero_grad(set_to_none=True)
+        (F.mse_loss(model(images, tokens, j % 2 == 0), targets) * scale).backward()
+        if j == 2:
+            model.fc.weight.grad[0, 0] = float("inf")
+        if j == 4:  # strides other than the parameter's: this bucket is staged, the other one is not
+            model.fc.weight.grad = model.fc.weight.grad.t().contiguous().t()
+        scaled = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        found_inf = averager.accumulate_grads_(batch, inv_grad_scale=torch.tensor(1 / scale)).item()
+        assert found_inf == (1.0 if j == 2 else 0.0)
+        staged_fc = j == 4
+        for k, (param, before) in enumerate(zip(model.parameters(), scaled, strict=True)):
+            if before is None:
+                assert param.grad is None
+                continue
+            left_scaled = staged_fc and param.dtype == torch.float32
+            expected = before if left_scaled else before / scale
+            torch.testing.assert_close(param.grad, expected, rtol=0, atol=0, equal_nan=True)
+            if j != 2:
+                native[k] += before / scale
+    assert [bucket.staging is not None for bucket in averager._accumulators.buckets] == [True, False]
+    averager.load_accumulators_into_averager_()
+    with averager.get_tensors() as averaged:
+        for avg, exp in zip(averaged, native, strict=True):
+            torch.testing.assert_close(avg, exp / 4)
 
 
 @pytest.mark.forked
@@ -300,9 +348,10 @@ def test_exact_mode_drops_only_the_overflowing_micro_steps(overflow):
             torch.testing.assert_close(ours, ref)
         assert scales[min(overflow)] == SCALE / 2 and scales[-1] == SCALE / 2 ** len(overflow), path  # backed off
         assert len(host_reads) >= EPOCHS * (MICRO_STEPS - 1), path
-    for host, device in zip(runs["host_check"][1], runs["device_check"][1], strict=True):
-        torch.testing.assert_close(host, device, rtol=0, atol=0)
-    assert runs["device_check"][3] == [0] * len(runs["device_check"][3])
+    for path in "device_check", "device_staging":
+        for host, device in zip(runs["host_check"][1], runs[path][1], strict=True):
+            torch.testing.assert_close(host, device, rtol=0, atol=0)
+        assert runs[path][3] == [0] * len(runs[path][3]), path
     # the host path reads once per no-sync step, the decision and the unscale factor together: one .item(), where
     # upstream reads the overflow flag once
     assert runs["host_check"][3] == [1] * len(runs["host_check"][3])
@@ -618,8 +667,9 @@ def test_inv_grad_scale_of_any_float_dtype(dht, path):
     force_loss_scaling_path(path)
     model = torch.nn.Linear(3, 2)
     averager = GradientAverager(model.parameters(), dht=dht, prefix=f"dtype_{path}", start=False)
-    model(torch.ones(1, 3)).sum().mul(8.0).backward()
     for dtype in (torch.float64, torch.bfloat16):
+        model.zero_grad(set_to_none=True)  # the device path unscales .grad in place
+        model(torch.ones(1, 3)).sum().mul(8.0).backward()
         found_inf = averager.accumulate_grads_(batch_size=1, inv_grad_scale=torch.tensor(0.125, dtype=dtype))
         assert found_inf.item() == 0.0
     torch.testing.assert_close(list(averager._grad_accumulators())[1], torch.full((2,), 2.0))

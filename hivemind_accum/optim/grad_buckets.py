@@ -19,11 +19,13 @@ from typing import Callable, ContextManager, Dict, Iterable, Iterator, List, Opt
 import torch
 
 from hivemind_accum.optim.torch_internals import (
+    add_unless_found_inf_,
     check_fused_ops,
     foreach_add_,
     foreach_copy_,
     foreach_mul_,
     foreach_zero_,
+    has_add_unless_found_inf,
     non_finite_check_and_unscale_,
 )
 
@@ -40,12 +42,13 @@ class GradientBucket:
     :param source_dtype: the dtype of the tensors this bucket mirrors (``flat`` may be float32 for fp16/bf16 ones)
     :param staging: a same-layout buffer of ``flat``'s device and dtype, allocated on first use when gradients must
       be copied (and cast) before they are added: across devices (``accumulate_grads_on``) or across dtypes (float32
-      buffers for fp16/bf16 gradients); also to be unscaled and checked for inf/NaN without a host read
-      (:meth:`GradientBuckets.add_finite_`)
+      buffers for fp16/bf16 gradients); also, on such buckets, to be unscaled and checked for inf/NaN without a host
+      read (:meth:`GradientBuckets.add_finite_`)
     :param drop_mask: a 0-dim bool of ``flat``'s device, allocated on first use: whether
       :meth:`GradientBuckets.add_finite_` drops the micro-step it adds
     :param found_inf: a 0-dim float32 of ``flat``'s device, allocated on first use: whether
       :meth:`GradientBuckets.add_finite_` found inf or NaN in this bucket's sources (the first bucket's: in any)
+    :param strides: each view's strides, kept from the first :meth:`GradientBuckets.add_finite_` on the device
     """
 
     flat: torch.Tensor
@@ -56,6 +59,7 @@ class GradientBucket:
     staging: Optional["GradientBucket"] = field(default=None, repr=False)
     drop_mask: Optional[torch.Tensor] = field(default=None, repr=False)
     found_inf: Optional[torch.Tensor] = field(default=None, repr=False)
+    strides: Optional[List[Tuple[int, ...]]] = field(default=None, repr=False)
 
     def stage_(self, sources: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
         """copy ``sources`` (one per view, None = zeros) into the staging buffer with one fused copy, cast to the
@@ -239,11 +243,12 @@ class GradientBuckets:
     ) -> torch.Tensor:
         """
         ``views[i] += alpha * inv_scale * sources[i]`` for every i if every source is finite; if any element of any
-        source is inf or NaN, add nothing at all. The sources are not modified. With everything on the CPU the
-        decision is read on the host (one read-only pass, then :meth:`add_`); otherwise it stays on the device (fused
-        copy into each bucket's staging buffer, kept from the first call on, then
-        ``_amp_foreach_non_finite_check_and_unscale_`` and a masked add). Both paths give bit-identical results for
-        power-of-two scales (docs/mixed-precision.md).
+        source is inf or NaN, add nothing at all. With everything on the CPU the decision is read on the host (one
+        read-only pass, then :meth:`add_`); the sources are not modified. Otherwise it stays on the device: where a
+        bucket's buffer shares its sources' device, dtype and strides, the sources are unscaled in place (as
+        ``torch.amp.GradScaler.unscale_`` does) and added by a fused kernel that skips the add on overflow, two passes
+        and no buffer; other buckets copy their sources into a staging buffer, kept from the first call on, then
+        unscale, mask and add it. All paths give bit-identical sums for power-of-two scales (docs/mixed-precision.md).
 
         :param sources: as in :meth:`add_`
         :param inv_scale: 0-dim floating-point tensor of any float dtype, ``1 / loss_scale`` (``1.0`` for already
@@ -368,24 +373,66 @@ def _add_finite_with_host_check(
 def _add_finite_on_device(
     buckets: GradientBuckets, sources: Sequence[Optional[torch.Tensor]], inv_scale: torch.Tensor, alpha: float
 ) -> torch.Tensor:
-    """:meth:`GradientBuckets.add_finite_` without a host synchronization: check, unscale and mask on the device; from
-    the second call on it allocates nothing"""
-    staged = []
+    """:meth:`GradientBuckets.add_finite_` without a host synchronization: check and unscale on the device, then add
+    unless an overflow was found. A bucket whose sources match its buffer (device, dtype, strides) takes two passes:
+    the sources are unscaled in place, then added by a fused kernel that skips the add on the device's flag. Any
+    other bucket stages its sources in a persistent buffer first (copy, unscale, mask, add). From the second call on
+    it allocates nothing"""
     for bucket in buckets.buckets:
         if bucket.found_inf is None:
             bucket.found_inf = torch.zeros((), dtype=torch.float32, device=bucket.flat.device)
         bucket.found_inf.zero_()
     found_inf = buckets.buckets[0].found_inf
+    unscaled = []
     for bucket in buckets.buckets:
-        flat = bucket.stage_([sources[i] for i in bucket.indices])  # kept: nothing allocated per micro-step
-        non_finite_check_and_unscale_([flat], bucket.found_inf, _to_device(inv_scale, bucket.flat.device))
+        grads = [sources[i] for i in bucket.indices]
+        direct = _present_if_unscalable_in_place(bucket, grads)
+        if direct is not None:  # the sources themselves, unscaled in place as torch.amp.GradScaler.unscale_ does
+            targets, grads = direct
+            if not grads:  # no gradient in this bucket: nothing to add
+                continue
+        else:  # kept: nothing allocated per micro-step
+            targets, grads = None, [bucket.stage_(grads)]
+        non_finite_check_and_unscale_(grads, bucket.found_inf, _to_device(inv_scale, bucket.flat.device))
         if bucket.found_inf is not found_inf:
             found_inf.add_(_to_device(bucket.found_inf, found_inf.device))
-        staged.append(flat)
-    for bucket, flat in zip(buckets.buckets, staged):  # a micro-step counts only if all of it is finite
+        unscaled.append((bucket, targets, grads))
+    if len(buckets.buckets) > 1:
+        found_inf.clamp_(max=1.0)
+    for bucket, targets, grads in unscaled:  # a micro-step counts only if all of it is finite
+        bucket_inf = _to_device(found_inf, bucket.flat.device)
+        if targets is not None:
+            add_unless_found_inf_(targets, grads, bucket_inf, alpha=alpha)
+            continue
         if bucket.drop_mask is None:
-            bucket.drop_mask = torch.zeros((), dtype=torch.bool, device=flat.device)
-        bucket_inf = _to_device(found_inf, flat.device)
+            bucket.drop_mask = torch.zeros((), dtype=torch.bool, device=bucket.flat.device)
         torch.logical_or(bucket_inf, bucket_inf, out=bucket.drop_mask)  # found_inf != 0, allocating nothing
-        bucket.flat.add_(flat.masked_fill_(bucket.drop_mask, 0), alpha=alpha)
-    return found_inf.clamp_(max=1.0)
+        bucket.flat.add_(grads[0].masked_fill_(bucket.drop_mask, 0), alpha=alpha)
+    return found_inf
+
+
+def _present_if_unscalable_in_place(
+    bucket: GradientBucket, grads: Sequence[Optional[torch.Tensor]]
+) -> Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]]:
+    """the bucket's views and the gradients present, if those gradients can be unscaled in place and added by
+    :func:`add_unless_found_inf_`: buffer and gradients share device and dtype, the fused kernel runs there, and each
+    gradient has its view's strides (the kernel pairs elements by memory order); else None"""
+    if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
+        return None
+    if not has_add_unless_found_inf(bucket.flat.device):
+        return None
+    if bucket.strides is None:
+        bucket.strides = [view.stride() for view in bucket.views]
+    views = bucket.views
+    if any(map(operator.is_, grads, repeat(None))):
+        present = [k for k, grad in enumerate(grads) if grad is not None]
+        views, grads = [views[k] for k in present], [grads[k] for k in present]
+        strides = [bucket.strides[k] for k in present]
+    else:
+        strides = bucket.strides
+    try:
+        if list(map(torch.Tensor.stride, grads)) != strides:
+            return None
+    except RuntimeError:  # a sparse gradient has no strides
+        return None
+    return views, list(grads)

@@ -210,6 +210,56 @@ def non_finite_check_and_unscale_(tensors: Sequence[torch.Tensor], found_inf: to
     torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
 
 
+def _adds_unless_found_inf(op: Callable, device: torch.device) -> bool:
+    kept, skipped, grads = torch.zeros(2, device=device), torch.zeros(2, device=device), [torch.ones(2, device=device)]
+    for target, found_inf in ((kept, 0.0), (skipped, 1.0)):
+        op([target], grads, [], weight_decay=0.0, momentum=0.0, lr=-2.0, dampening=0.0, nesterov=False,
+           maximize=False, is_first_step=False, found_inf=torch.tensor(found_inf, device=device))
+    return kept.tolist() == [2.0, 2.0] and skipped.tolist() == [0.0, 0.0] and grads[0].tolist() == [1.0, 1.0]
+
+
+_ADDS_UNLESS_FOUND_INF: Dict[str, bool] = {}  # device type -> whether add_unless_found_inf_ has a kernel there
+
+
+def has_add_unless_found_inf(device: torch.device) -> bool:
+    """
+    Whether :func:`add_unless_found_inf_` runs on ``device``'s type: checked once per process and device type on two
+    small tensors there (torch's fused SGD kernel has CUDA support from torch 2.1 and CPU support from torch 2.4).
+
+    :param device: the device of the tensors to add
+    """
+    device = torch.device(device)
+    if device.type not in _ADDS_UNLESS_FOUND_INF:
+        op = getattr(torch, "_fused_sgd_", None)
+        try:
+            works = op is not None and _adds_unless_found_inf(op, device)
+        except (RuntimeError, TypeError):  # no kernel for this device (NotImplementedError), a changed signature
+            works = False
+        _ADDS_UNLESS_FOUND_INF[device.type] = works
+    return _ADDS_UNLESS_FOUND_INF[device.type]
+
+
+def add_unless_found_inf_(
+    tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor], found_inf: torch.Tensor, alpha: float = 1.0
+) -> None:
+    """
+    ``tensors[i] += alpha * others[i]`` for every i unless ``found_inf`` is 1.0, in one fused pass that reads the flag
+    on the device: torch's fused SGD kernel with ``lr=-alpha`` and no momentum or weight decay. The kernel pairs
+    elements by memory order, so each pair must share shape and strides.
+
+    :param tensors: dense float tensors on one device, modified in place
+    :param others: one per tensor, of its dtype, shape and strides; not modified
+    :param found_inf: a 0-dim float32 tensor on their device, 0.0 (add) or 1.0 (add nothing)
+    :param alpha: scalar weight
+    :raises TorchInternalsError: if :func:`has_add_unless_found_inf` is False for their device
+    """
+    if not has_add_unless_found_inf(found_inf.device):
+        raise _changed(f"torch._fused_sgd_ has no working kernel for {found_inf.device.type}",
+                       "adds loss-scaled gradients with this op where it has one")
+    torch._fused_sgd_(tensors, others, [], weight_decay=0.0, momentum=0.0, lr=-alpha, dampening=0.0, nesterov=False,
+                      maximize=False, is_first_step=False, found_inf=found_inf)
+
+
 def declare_scaling_aware_step(optimizer: torch.optim.Optimizer) -> None:
     """
     Make ``torch.amp.GradScaler.step(optimizer)`` hand itself to ``optimizer.step(grad_scaler=...)`` instead of

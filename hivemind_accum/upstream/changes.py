@@ -172,6 +172,10 @@ accelerator once per micro-batch.
             "_unscales",
             "_check_unscale_op",
             "non_finite_check_and_unscale_",
+            "_adds_unless_found_inf",
+            "_ADDS_UNLESS_FOUND_INF: Dict[str, bool] = {}",
+            "has_add_unless_found_inf",
+            "add_unless_found_inf_",
             "declare_scaling_aware_step",
             "_scaler_changed",
             "_optimizer_state",
@@ -218,10 +222,16 @@ accelerator once per micro-batch.
             "_host_check_is_free",
             "_add_finite_with_host_check",
             "_add_finite_on_device",
+            "_present_if_unscalable_in_place",
+            Edit("    add_unless_found_inf_,\n"),
+            Edit("    has_add_unless_found_inf,\n"),
             Edit("    non_finite_check_and_unscale_,\n"),
             Edit(" Adding can also\nunscale the gradients and drop them if not finite, for loss scaling."),
-            Edit("; also to be unscaled and checked for inf/NaN without a host read\n"
-                 "      (:meth:`GradientBuckets.add_finite_`)"),
+            Edit("; also, on such buckets, to be unscaled and checked for inf/NaN without a host\n"
+                 "      read (:meth:`GradientBuckets.add_finite_`)"),
+            Edit("    :param strides: each view's strides, kept from the first :meth:`GradientBuckets.add_finite_` on "
+                 "the device\n"),
+            Edit("    strides: Optional[List[Tuple[int, ...]]] = field(default=None, repr=False)\n"),
             Edit("    :param drop_mask: a 0-dim bool of ``flat``'s device, allocated on first use: whether\n"
                  "      :meth:`GradientBuckets.add_finite_` drops the micro-step it adds\n"),
             Edit("    drop_mask: Optional[torch.Tensor] = field(default=None, repr=False)\n"),
