@@ -54,20 +54,26 @@ def multi_tensor_launches(numels: Iterable[int], depth: int, large_kernel_args: 
 # on one element each, each launching one kernel at most: the inverse scale (2 casts, reciprocal), found_inf (zeros), the
 # drop counters (in place) and the scaler's update; tests/test_benchmark_tools.py counts them on the CPU
 EXACT_STEP_OTHER_OPS = 14
+# the same with hivemind.GradScaler (hivemind#566's configuration): the step also backs the scale off on the device
+# (torch._amp_update_scale_ and the growth tracker's reset), so its update() reads no record
+EXACT_HIVEMIND_STEP_OTHER_OPS = 16
 
 
-def exact_step_kernels(numels: Iterable[int], large_kernel_args: bool = False) -> int:
+def exact_step_kernels(numels: Iterable[int], large_kernel_args: bool = False,
+                       other_ops: int = EXACT_STEP_OTHER_OPS) -> int:
     """
     Kernels exact mode's loss-scaled no-sync step launches at most on CUDA, for parameters in one bucket.
 
     :param numels: each parameter's element count, in order
     :param large_kernel_args: as in :func:`multi_tensor_launches`
+    :param other_ops: the step's ops on one element each: :data:`EXACT_STEP_OTHER_OPS` with ``torch.amp.GradScaler``,
+      :data:`EXACT_HIVEMIND_STEP_OTHER_OPS` with ``hivemind.GradScaler``
     :returns: the fused check and unscale of ``.grad`` (depth 1), the fused add that skips on overflow (depth 2) and
-      :data:`EXACT_STEP_OTHER_OPS` launches
+      ``other_ops`` launches
     """
     numels = list(numels)
     return (multi_tensor_launches(numels, 1, large_kernel_args) + multi_tensor_launches(numels, 2, large_kernel_args)
-            + EXACT_STEP_OTHER_OPS)
+            + other_ops)
 
 
 def main():

@@ -24,7 +24,7 @@ import statistics
 import pytest
 
 from benchmarks.conftest import BENCH_DEVICE, BENCH_IMPLEMENTATIONS, BENCH_MODELS, record_samples
-from benchmarks.kernel_launches import exact_step_kernels
+from benchmarks.kernel_launches import EXACT_HIVEMIND_STEP_OTHER_OPS, EXACT_STEP_OTHER_OPS, exact_step_kernels
 from benchmarks.sweep import pooled
 
 pytestmark = pytest.mark.timeout(3600)  # the first test of each model runs that model's whole sweep
@@ -93,7 +93,7 @@ def test_averaging_time_load(benchmark, sweep_results, model, impl):
 
 
 @pytest.mark.skipif(not CUDA, reason="host syncs, kernel launches and device memory are measured on CUDA")
-@pytest.mark.parametrize("impl", ["exact", "inplace"])
+@pytest.mark.parametrize("impl", ["exact", "exact_hivemind", "inplace"])
 @pytest.mark.parametrize("model", BENCH_MODELS)
 def test_cuda_work_and_memory(sweep_results, model, impl):
     """deterministic counts from the same worker processes (one profiled no-sync step each), checked per process"""
@@ -102,10 +102,11 @@ def test_cuda_work_and_memory(sweep_results, model, impl):
         work = run["work"]
         assert work.get("error") is None, work
         assert work["sync_warnings"] == 0 and work["device_syncs"] == 0, f"{impl} no-sync step synchronizes: {work}"
-        if impl == "exact":  # the report's models hold float32 parameters only: one bucket
+        if impl != "inplace":  # the report's models hold float32 parameters only: one bucket
             # the bound with 4 KB kernel arguments; 32 KB ones (CUDA 12.1+, sm_70+) launch fewer
-            bound = exact_step_kernels(run["numels"])
-            assert work["kernels"] <= bound, (work, bound, exact_step_kernels(run["numels"], large_kernel_args=True))
+            other_ops = EXACT_STEP_OTHER_OPS if impl == "exact" else EXACT_HIVEMIND_STEP_OTHER_OPS
+            bound = exact_step_kernels(run["numels"], other_ops=other_ops)
+            assert work["kernels"] <= bound, (work, bound, exact_step_kernels(run["numels"], True, other_ops))
             assert work["kernels"] < run["tensors"], work  # upstream launches one or more per tensor
         grad_bytes = 4 * run["params"]  # float32 parameters
         if impl == "inplace":
