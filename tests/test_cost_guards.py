@@ -195,9 +195,9 @@ def loss_scaled_add_cost(num_layers: int) -> dict:
 def force_fused_add(fused: bool) -> None:
     """make add_finite_'s device path take the fused skipping add (``fused``) or the staging buffer; call it in the
     test's own process (forked). The fused add needs a torch with a CPU kernel for ``_fused_sgd_`` (2.4 and later)"""
-    if fused and not torch_internals.has_add_unless_found_inf(torch.device("cpu")):
+    if fused and not torch_internals.has_add_unless_found_inf(torch.device("cpu"), torch.float32):
         pytest.skip(f"torch {torch.__version__} has no CPU kernel for _fused_sgd_: the staging path runs here")
-    grad_buckets.has_add_unless_found_inf = lambda device: fused
+    grad_buckets.has_add_unless_found_inf = lambda device, dtype: fused
 
 
 # per (device path's add, tensors): the first micro-step's bytes allocated, and the top-level ops of every later one

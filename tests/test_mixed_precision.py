@@ -35,7 +35,7 @@ def force_loss_scaling_path(path: str) -> None:
     process that trains (tests here are forked, so the change dies with the test)"""
     grad_buckets._host_check_is_free = lambda buckets: path == "host_check"
     if path == "device_staging":
-        grad_buckets.has_add_unless_found_inf = lambda device: False
+        grad_buckets.has_add_unless_found_inf = lambda device, dtype: False
 
 
 @pytest.mark.forked
@@ -121,7 +121,7 @@ def test_fused_skipping_add_unscales_grad_in_place_and_holds_no_staging_buffer(d
     frozen layer and a sometimes-unused one): each .grad is unscaled in place, as torch.amp.GradScaler.unscale_ leaves
     it; an overflowing micro-step adds nothing; the sum equals native accumulation of the kept micro-steps; no bucket
     allocates a staging buffer. A .grad with other strides than its parameter takes the staging buffer, same sums"""
-    if not torch_internals.has_add_unless_found_inf(torch.device("cpu")):
+    if not torch_internals.has_add_unless_found_inf(torch.device("cpu"), torch.float32):
         pytest.skip(f"torch {torch.__version__} has no CPU kernel for _fused_sgd_: the staging path runs here")
     force_loss_scaling_path("device_check")
     torch.manual_seed(0)
@@ -156,6 +156,27 @@ def test_fused_skipping_add_unscales_grad_in_place_and_holds_no_staging_buffer(d
     with averager.get_tensors() as averaged:
         for avg, exp in zip(averaged, native, strict=True):
             torch.testing.assert_close(avg, exp / 4)
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_device_path_adds_every_element_in_the_accumulators_dtype(dht, dtype):
+    """the device path with accumulators in the gradients' dtype (accumulate_in_fp32=False for fp16/bf16), forced on
+    the CPU, on tensors longer than the fused kernels' vector loops: every element is added. torch 2.4-2.13's fused SGD
+    kernel for the CPU drops fp16/bf16 results of its vector loop; that path must not be taken there"""
+    force_loss_scaling_path("device_check")
+    model = torch.nn.Linear(67, 3).to(dtype)  # 201 + 3 elements: vector loops and scalar tails
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="dtypes", start=False, accumulate_in_fp32=False)
+    expected = [torch.zeros_like(p) for p in model.parameters()]
+    for step in range(2):
+        for param, total in zip(model.parameters(), expected):
+            grad = torch.arange(param.numel(), dtype=dtype).reshape(param.shape) % 7 + step  # exact in every dtype
+            param.grad = grad * 8.0
+            total += grad
+        assert averager.accumulate_grads_(1, inv_grad_scale=torch.tensor(1 / 8.0)).item() == 0.0
+    for accumulator, total in zip(averager._grad_accumulators(), expected, strict=True):
+        assert accumulator.dtype == dtype
+        torch.testing.assert_close(accumulator, total, rtol=0, atol=0)
 
 
 @pytest.mark.forked

@@ -248,7 +248,8 @@ class GradientBuckets:
         bucket's buffer shares its sources' device, dtype and strides, the sources are unscaled in place (as
         ``torch.amp.GradScaler.unscale_`` does) and added by a fused kernel that skips the add on overflow, two passes
         and no buffer; other buckets copy their sources into a staging buffer, kept from the first call on, then
-        unscale, mask and add it. All paths give bit-identical sums for power-of-two scales (docs/mixed-precision.md).
+        unscale, mask and add it. All paths give bit-identical sums for power-of-two scales and ``alpha``
+        (docs/mixed-precision.md).
 
         :param sources: as in :meth:`add_`
         :param inv_scale: 0-dim floating-point tensor of any float dtype, ``1 / loss_scale`` (``1.0`` for already
@@ -419,7 +420,7 @@ def _present_if_unscalable_in_place(
     gradient has its view's strides (the kernel pairs elements by memory order); else None"""
     if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
         return None
-    if not has_add_unless_found_inf(bucket.flat.device):
+    if not has_add_unless_found_inf(bucket.flat.device, bucket.flat.dtype):
         return None
     if bucket.strides is None:
         bucket.strides = [view.stride() for view in bucket.views]

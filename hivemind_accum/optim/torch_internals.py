@@ -20,7 +20,7 @@ its checks pass (docs/compatibility.md).
 import enum
 import inspect
 import warnings
-from typing import Callable, Dict, Optional, Sequence, Set
+from typing import Callable, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.amp import grad_scaler as amp_grad_scaler
@@ -210,33 +210,46 @@ def non_finite_check_and_unscale_(tensors: Sequence[torch.Tensor], found_inf: to
     torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
 
 
-def _adds_unless_found_inf(op: Callable, device: torch.device) -> bool:
-    kept, skipped, grads = torch.zeros(2, device=device), torch.zeros(2, device=device), [torch.ones(2, device=device)]
+# elements of the check's example: more than two vector widths plus a tail, so that vectorized and scalar loops both run
+# (torch 2.4-2.13's CPU kernel never stores fp16/bf16 results of its vector loop, pytorch/pytorch#191763)
+_ADD_EXAMPLE_SIZE = 67
+
+
+def _adds_unless_found_inf(op: Callable, device: torch.device, dtype: torch.dtype) -> bool:
+    def example():
+        return torch.zeros(_ADD_EXAMPLE_SIZE, device=device, dtype=dtype)
+
+    kept, skipped, grads = example(), example(), [example().add_(1)]
     for target, found_inf in ((kept, 0.0), (skipped, 1.0)):
         op([target], grads, [], weight_decay=0.0, momentum=0.0, lr=-2.0, dampening=0.0, nesterov=False,
            maximize=False, is_first_step=False, found_inf=torch.tensor(found_inf, device=device))
-    return kept.tolist() == [2.0, 2.0] and skipped.tolist() == [0.0, 0.0] and grads[0].tolist() == [1.0, 1.0]
+    # tolist(), not bool(): a copy, which host-read counters (aten::_local_scalar_dense) do not count as a read per step
+    n = _ADD_EXAMPLE_SIZE
+    return kept.tolist() == [2.0] * n and skipped.tolist() == [0.0] * n and grads[0].tolist() == [1.0] * n
 
 
-_ADDS_UNLESS_FOUND_INF: Dict[str, bool] = {}  # device type -> whether add_unless_found_inf_ has a kernel there
+# (device type, dtype) -> whether add_unless_found_inf_ has a correct kernel there
+_ADDS_UNLESS_FOUND_INF: Dict[Tuple[str, torch.dtype], bool] = {}
 
 
-def has_add_unless_found_inf(device: torch.device) -> bool:
+def has_add_unless_found_inf(device: torch.device, dtype: torch.dtype) -> bool:
     """
-    Whether :func:`add_unless_found_inf_` runs on ``device``'s type: checked once per process and device type on two
-    small tensors there (torch's fused SGD kernel has CUDA support from torch 2.1 and CPU support from torch 2.4).
+    Whether :func:`add_unless_found_inf_` runs correctly on ``device``'s type for ``dtype``: checked once per process,
+    device type and dtype on small tensors there (torch's fused SGD kernel has CUDA support from torch 2.1 and CPU
+    support from torch 2.4; on the CPU, fp16/bf16 lose results before pytorch/pytorch#191763's fix).
 
     :param device: the device of the tensors to add
+    :param dtype: their dtype
     """
-    device = torch.device(device)
-    if device.type not in _ADDS_UNLESS_FOUND_INF:
+    key = (torch.device(device).type, dtype)
+    if key not in _ADDS_UNLESS_FOUND_INF:
         op = getattr(torch, "_fused_sgd_", None)
         try:
-            works = op is not None and _adds_unless_found_inf(op, device)
+            works = op is not None and _adds_unless_found_inf(op, torch.device(device), dtype)
         except (RuntimeError, TypeError):  # no kernel for this device (NotImplementedError), a changed signature
             works = False
-        _ADDS_UNLESS_FOUND_INF[device.type] = works
-    return _ADDS_UNLESS_FOUND_INF[device.type]
+        _ADDS_UNLESS_FOUND_INF[key] = works
+    return _ADDS_UNLESS_FOUND_INF[key]
 
 
 def add_unless_found_inf_(
@@ -250,10 +263,11 @@ def add_unless_found_inf_(
     :param tensors: dense float tensors on one device, modified in place
     :param others: one per tensor, of its dtype, shape and strides; not modified
     :param found_inf: a 0-dim float32 tensor on their device, 0.0 (add) or 1.0 (add nothing)
-    :param alpha: scalar weight
-    :raises TorchInternalsError: if :func:`has_add_unless_found_inf` is False for their device
+    :param alpha: scalar weight; on CUDA the kernel multiplies in double, so sums may differ from ``add_``'s in the
+      last bit where ``alpha`` is not a power of two
+    :raises TorchInternalsError: if :func:`has_add_unless_found_inf` is False for their device and dtype
     """
-    if not has_add_unless_found_inf(found_inf.device):
+    if not has_add_unless_found_inf(found_inf.device, tensors[0].dtype):
         raise _changed(f"torch._fused_sgd_ has no working kernel for {found_inf.device.type}",
                        "adds loss-scaled gradients with this op where it has one")
     torch._fused_sgd_(tensors, others, [], weight_decay=0.0, momentum=0.0, lr=-alpha, dampening=0.0, nesterov=False,

@@ -172,8 +172,9 @@ accelerator once per micro-batch.
             "_unscales",
             "_check_unscale_op",
             "non_finite_check_and_unscale_",
+            "_ADD_EXAMPLE_SIZE = 67",
             "_adds_unless_found_inf",
-            "_ADDS_UNLESS_FOUND_INF: Dict[str, bool] = {}",
+            "_ADDS_UNLESS_FOUND_INF: Dict[Tuple[str, torch.dtype], bool] = {}",
             "has_add_unless_found_inf",
             "add_unless_found_inf_",
             "declare_scaling_aware_step",
@@ -203,7 +204,7 @@ accelerator once per micro-batch.
                 "    check_hivemind_grad_scaler_internals()\n",
                 "    check_fused_ops()\n",
             ),
-            Edit("from typing import Callable, Dict, Optional, Sequence, Set",
+            Edit("from typing import Callable, Dict, Optional, Sequence, Set, Tuple",
                  "from typing import Callable, Sequence, Set"),
             Edit(
                 "\n\nLoss scaling without a host read per micro-step needs ``torch.amp.GradScaler``'s per-optimizer "
