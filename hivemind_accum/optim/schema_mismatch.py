@@ -55,7 +55,7 @@ class SchemaMismatchWarning:
 
     def _choice(self, dtype: Optional[torch.dtype]) -> str:
         if dtype is None:
-            return f"in {self.low_precision} (averaged_grads_dtype=None, as hivemind 1.1.12)"
+            return f"in {self.low_precision} (averaged_grads_dtype=None, the default)"
         return "in float32 (averaged_grads_dtype=torch.float32)"
 
     def report_(self, peer, their_hash: Optional[bytes] = None) -> None:
@@ -76,7 +76,7 @@ class SchemaMismatchWarning:
         logger.warning(
             f"Gradient averaging: peer {peer} has averaged tensors of other shapes, dtypes or compression: they never "
             f"average together (BAD_SCHEMA_HASH){mine}. With fp16/bf16 parameters every peer needs the same "
-            f"averaged_grads_dtype of hivemind_accum.GradientAverager (None, the default, is hivemind 1.1.12's choice)"
+            f"averaged_grads_dtype of hivemind_accum.GradientAverager (None, the default, keeps the parameters' dtype)"
         )
 
     def watch_follower_side_(self) -> None:
