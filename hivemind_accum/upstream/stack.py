@@ -81,7 +81,7 @@ FUSED_ACCUMULATION = Edit(
     new=(
         "            alpha = float(batch_size) / self._anchor_batch_size\n"
         "            grouped_accs, grouped_bufs = defaultdict(list), defaultdict(list)\n"
-        "            for grad_buf, grad_acc in zip(self._grads_from_parameters(), self._grad_accumulators()):\n"
+        "            for grad_buf, grad_acc in zip(self._grads_from_parameters(), self._local_accumulators):\n"
         "                key = (grad_acc.device, grad_acc.dtype)\n"
         "                if grad_buf.layout != torch.strided or (grad_buf.device, grad_buf.dtype) != key:\n"
         "                    grad_acc.add_(grad_buf.to(grad_acc.device), alpha=alpha)\n"
@@ -110,7 +110,8 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "(related to #566). Gradients whose accumulator has the same device and dtype are now added with "
                 "one torch._foreach_add_ per (device, dtype) group, as torch.optim groups its foreach ops. Sparse "
                 "or other non-strided gradients and accumulators on another device (accumulate_grads_on=) keep the "
-                "per-tensor add. "
+                "per-tensor add. The loop reads self._local_accumulators directly: accumulate_grads_ already runs "
+                "under torch.no_grad(), and the _grad_accumulators() generator re-entered it for every tensor. "
                 "The values are the same: the same additions with the same alpha.",
                 (DEFAULTDICT_IMPORT, FUSED_ACCUMULATION),
                 ("tests/test_grad_accumulation.py", "benchmarks/benchmark_no_sync_step.py"),
