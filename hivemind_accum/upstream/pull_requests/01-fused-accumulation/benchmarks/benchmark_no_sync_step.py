@@ -97,3 +97,4 @@ if __name__ == "__main__":
             for value, width in ((backward, 11), (step, 11), (accumulate, 18))
         ]
         print(f"{mode:<20} {' '.join(cells)}")
+    print("opt.step() includes opt.zero_grad() in exact mode")
