@@ -3,7 +3,8 @@ The README's table of no-sync ``opt.step()`` costs, generated from the committed
 
 Upstream's and exact mode's steps come from the CPU sweep (``benchmarks/results/sweep_cpu.json``), upstream's
 ``reuse_grad_buffers=True`` and in-place mode's from the latest sweep of the report's models
-(``sweep_cpu_report_models.json``), the transformer's rows from the main job (``local_accumulation.json``).
+(``sweep_cpu_report_models.json``), the transformer's rows from the main job (``local_accumulation.json``), the GPU
+rows from the GPU run (``gpu/sweep_cuda.json``, written by ``benchmarks/gpu_run.sh``).
 ``tests/test_readme_figures.py`` checks that README.md holds this table as generated.
 
 Run ``python -m benchmarks.readme_figures`` to print it.
@@ -65,8 +66,23 @@ def readme_table() -> str:
                  + " |")
     lines.append(f"| {title}, tensor operations | " + " | ".join(str(work[impl]["step_ops"]) for impl in COLUMNS)
                  + " |")
-    lines.append("| GPU, the hivemind#566 setting | not yet measured | | | |")
+    lines.extend(gpu_rows())
     return "\n".join(lines)
+
+
+def gpu_rows() -> list:
+    """the GPU run's rows: per model, the no-sync step's host time and the throughput ratio to native accumulation
+    (hivemind#566's setting, fp16 AMP); a configuration the run lacks reads 'not measured'"""
+    run = _load(os.path.join("gpu", "sweep_cuda.json"))
+    rows = {(row["model"], row["impl"]): row for row in run["rows"]}
+    device = run["machine"].split(",")[0].removeprefix("Measured on: ").removeprefix("NVIDIA ")
+    lines = []
+    for model, title in MODELS:
+        for key, label, spec in ("no_sync_step_ms", "ms", ".2f"), ("throughput_vs_native", "throughput vs native", ".2f"):
+            cells = [format(rows[model, impl][key], spec) if (model, impl) in rows else "not measured"
+                     for impl in COLUMNS]
+            lines.append(f"| {device}, {title}, fp16 AMP, {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 if __name__ == "__main__":

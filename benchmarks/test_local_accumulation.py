@@ -101,7 +101,11 @@ def test_cuda_work_and_memory(sweep_results, model, impl):
     for run, native in zip(runs[impl], runs["native"]):
         work = run["work"]
         assert work.get("error") is None, work
-        assert work["sync_warnings"] == 0 and work["device_syncs"] == 0, f"{impl} no-sync step synchronizes: {work}"
+        # the counting harness synchronizes once itself: native's empty step counts 1 of each on an H200
+        harness = native["work"]
+        assert work["host_reads"] == 0, f"{impl} no-sync step reads the device from the host: {work}"
+        assert work["sync_warnings"] <= harness["sync_warnings"] and work["device_syncs"] <= harness["device_syncs"], (
+            f"{impl} no-sync step synchronizes: {work}, native's empty step {harness}")
         if impl != "inplace":  # the report's models hold float32 parameters only: one bucket
             # the bound with 4 KB kernel arguments; 32 KB ones (CUDA 12.1+, sm_70+) launch fewer
             other_ops = EXACT_STEP_OTHER_OPS if impl == "exact" else EXACT_HIVEMIND_STEP_OTHER_OPS
