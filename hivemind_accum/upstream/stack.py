@@ -99,6 +99,33 @@ DEFAULTDICT_IMPORT = Edit(
     new="import contextlib\nfrom collections import defaultdict\n",
 )
 
+FALLBACK_KEEPS_ACCUMULATORS = Edit(
+    path="optim/optimizer.py",
+    old=(
+        "                self.scheduled_grads = self.grad_averager.step(\n"
+        "                    control=self.scheduled_grads, reset_accumulators=True, wait=False\n"
+        "                )\n"
+    ),
+    new=(
+        "                # keep the local gradients until the round ends: if it fails, the optimizer steps with them, and\n"
+        "                # _update_global_epoch resets them after that. PowerSGD adds them to its error feedback instead\n"
+        "                self.scheduled_grads = self.grad_averager.step(\n"
+        "                    control=self.scheduled_grads,\n"
+        "                    reset_accumulators=isinstance(self.grad_averager, PowerSGDGradientAverager),\n"
+        "                    wait=False,\n"
+        "                )\n"
+    ),
+)
+
+POWER_SGD_IMPORT = Edit(
+    path="optim/optimizer.py",
+    old="from hivemind.optim.grad_scaler import GradScaler\n",
+    new=(
+        "from hivemind.optim.grad_scaler import GradScaler\n"
+        "from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager\n"
+    ),
+)
+
 PULL_REQUESTS: Sequence[PullRequest] = (
     PullRequest(
         "01-fused-accumulation",
@@ -133,6 +160,25 @@ PULL_REQUESTS: Sequence[PullRequest] = (
     PullRequest(
         "05-step-control-cancel-order",
         (_fix_commit("StepControl: mark a round cancelled", "tests/test_step_control.py"),),
+    ),
+    PullRequest(
+        "06-failed-round-fallback",
+        (
+            Commit(
+                "Optimizer: step with local gradients, not zeros, when gradient averaging fails",
+                "When a gradient averaging round began and then failed, Optimizer logged \"Proceeding with local "
+                "gradients\" and loaded the gradient accumulators into the optimizer. But _begin_averaging_gradients "
+                "had called grad_averager.step(reset_accumulators=True), which zeroes them as soon as the round "
+                "begins: the peer stepped with zero gradients and lost its local epoch. The accumulators are now "
+                "kept until the round ends; _update_global_epoch already resets them after the optimizer step. "
+                "PowerSGDGradientAverager keeps the old behaviour: once its all-reduce begins it adds the local "
+                "gradients to its error feedback, and stepping with them as well would count them twice. With "
+                "delay_grad_averaging=True the round still ends after the next epoch began to accumulate, so its "
+                "fallback is not fixed by this change.",
+                (POWER_SGD_IMPORT, FALLBACK_KEEPS_ACCUMULATORS),
+                ("tests/test_optimizer_fallback.py",),
+            ),
+        ),
     ),
 )
 
