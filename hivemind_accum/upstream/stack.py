@@ -108,10 +108,12 @@ FALLBACK_KEEPS_ACCUMULATORS = Edit(
     ),
     new=(
         "                # keep the local gradients until the round ends: if it fails, the optimizer steps with them, and\n"
-        "                # _update_global_epoch resets them after that. PowerSGD adds them to its error feedback instead\n"
+        "                # _update_global_epoch resets them after that. Not with delay_grad_averaging, whose round ends\n"
+        "                # after that reset, nor with PowerSGD, which adds them to its error feedback instead\n"
         "                self.scheduled_grads = self.grad_averager.step(\n"
         "                    control=self.scheduled_grads,\n"
-        "                    reset_accumulators=isinstance(self.grad_averager, PowerSGDGradientAverager),\n"
+        "                    reset_accumulators=self.delay_grad_averaging\n"
+        "                    or isinstance(self.grad_averager, PowerSGDGradientAverager),\n"
         "                    wait=False,\n"
         "                )\n"
     ),
@@ -171,10 +173,10 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "had called grad_averager.step(reset_accumulators=True), which zeroes them as soon as the round "
                 "begins: the peer stepped with zero gradients and lost its local epoch. The accumulators are now "
                 "kept until the round ends; _update_global_epoch already resets them after the optimizer step. "
-                "PowerSGDGradientAverager keeps the old behaviour: once its all-reduce begins it adds the local "
-                "gradients to its error feedback, and stepping with them as well would count them twice. With "
-                "delay_grad_averaging=True the round still ends after the next epoch began to accumulate, so its "
-                "fallback is not fixed by this change.",
+                "Two configurations keep the old behaviour. With delay_grad_averaging=True the round ends in the "
+                "background after that reset, while the next epoch accumulates: its fallback needs a copy of the "
+                "round's gradients. PowerSGDGradientAverager adds the local gradients to its error feedback once "
+                "its all-reduce begins, and stepping with them as well would count them twice.",
                 (POWER_SGD_IMPORT, FALLBACK_KEEPS_ACCUMULATORS),
                 ("tests/test_optimizer_fallback.py",),
             ),
