@@ -75,12 +75,11 @@ def gpu_rows() -> list:
     (hivemind#566's setting, fp16 AMP); a configuration the run lacks reads 'not measured'"""
     run = _load(os.path.join("gpu", "sweep_cuda.json"))
     rows = {(row["model"], row["impl"]): row for row in run["rows"]}
-    device = run["machine"].split(",")[0].removeprefix("Measured on: ").removeprefix("NVIDIA ")
+    device = run["machine"].split(",")[0].removeprefix("NVIDIA ")
     lines = []
     for model, title in MODELS:
-        for key, label, spec in ("no_sync_step_ms", "ms", ".2f"), ("throughput_vs_native", "throughput vs native", ".2f"):
-            cells = [format(rows[model, impl][key], spec) if (model, impl) in rows else "not measured"
-                     for impl in COLUMNS]
+        for key, label in ("no_sync_step_ms", "ms"), ("throughput_vs_native", "throughput vs native"):
+            cells = [f"{rows[model, impl][key]:.2f}" if (model, impl) in rows else "not measured" for impl in COLUMNS]
             lines.append(f"| {device}, {title}, fp16 AMP, {label} | " + " | ".join(cells) + " |")
     return lines
 
