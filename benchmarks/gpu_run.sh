@@ -14,8 +14,8 @@
 # Stages, each under its own time limit (LIMIT below), logged to OUTDIR/gpu_run.log; none stops the next when it
 # fails (the exit status is 1 if any failed, so that a CI run of --check catches a stage that broke):
 #   0. install the wheels if needed; print Python, torch, CUDA, the GPU and its driver; run
-#      check_grad_scaler_internals(); start a hivemind DHT (its p2pd daemon); then the CUDA tests of
-#      tests/test_cost_guards.py and tests/test_mixed_precision.py (-k cuda)
+#      check_grad_scaler_internals(); start a hivemind DHT (its p2pd daemon); then every test under
+#      tests/ named cuda (-k cuda)
 #   1. hivemind#566's own configuration first (exact mode with hivemind.GradScaler: exact_hivemind), then what the
 #      README's GPU table needs: native, upstream, exact and in place in hivemind#566's setting on ResNet-152, then on
 #      ConvNeXt-Large (python -m benchmarks.sweep --preset report), each worker in its own fresh process
@@ -79,8 +79,8 @@ if needs_wheels; then
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 # an image's pytest-timeout may be too new for pytest 8 (2.4 declares a float ini option that pytest 8.3.5 refuses):
-# leave it out then; each stage's own time limit bounds the tests
-NO_TIMEOUT=(); "$PYTHON" -m pytest --version >/dev/null 2>&1 || NO_TIMEOUT=(-p no:timeout)
+# leave it out then, in the pytest processes the tests start too; each stage's own time limit bounds the tests
+"$PYTHON" -m pytest --version >/dev/null 2>&1 || export PYTEST_ADDOPTS="-p no:timeout ${PYTEST_ADDOPTS:-}"
 [ "$DEVICE" = cuda ] && { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true; }
 timeout "${LIMIT[environment]}" "$PYTHON" - "$DEVICE" <<'EOF' || { echo "environment check failed: see above"; exit 1; }
 import sys, platform, torch, hivemind, pytest
@@ -100,9 +100,8 @@ print("DHT started:", dht.get_visible_maddrs()[:1])
 dht.shutdown()
 EOF
 if [ "${LIMIT[tests]}" -gt 0 ]; then
-  stage "0. CUDA tests (cost guards, mixed precision)"
-  timeout "${LIMIT[tests]}" "$PYTHON" -m pytest -q -p no:cacheprovider "${NO_TIMEOUT[@]}" -rs tests/test_cost_guards.py \
-    tests/test_mixed_precision.py "${TEST_SELECTION[@]}" --junitxml="$OUT/cuda_tests.xml"
+  stage "0. CUDA tests (every test named cuda)"
+  timeout "${LIMIT[tests]}" "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/ "${TEST_SELECTION[@]}" --junitxml="$OUT/cuda_tests.xml"
   status=$?; echo "tests exit status: $status"; check $status "0. CUDA tests"
 fi
 
@@ -127,7 +126,7 @@ if [ "${LIMIT[targets]}" -gt 0 ]; then
   stage "3. pytest-benchmark targets on the same samples"
   if [ -f "$OUT/sweep_$DEVICE.json" ]; then
     HIVEMIND_ACCUM_BENCH_DEVICE=$DEVICE HIVEMIND_ACCUM_BENCH_RESULTS="$OUT/sweep_$DEVICE.json" \
-      HIVEMIND_ACCUM_BENCH_MODELS="$MODELS" timeout "${LIMIT[targets]}" "$PYTHON" -m pytest -q -p no:cacheprovider "${NO_TIMEOUT[@]}" -rs \
+      HIVEMIND_ACCUM_BENCH_MODELS="$MODELS" timeout "${LIMIT[targets]}" "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
       benchmarks/test_local_accumulation.py --benchmark-only --benchmark-storage "file:///tmp/pytest-benchmark" \
       --benchmark-json "$OUT/pytest_benchmark_$DEVICE.json" --benchmark-columns=median,iqr,rounds
     status=$?; echo "benchmark targets exit status: $status"
