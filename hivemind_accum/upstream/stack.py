@@ -128,6 +128,35 @@ POWER_SGD_IMPORT = Edit(
     ),
 )
 
+DELAYED_FALLBACK_USES_ROUND_GRADIENTS = Edit(
+    path="optim/optimizer.py",
+    old=(
+        "        if not averaged_gradients:\n"
+        "            self._load_local_gradients_into_optimizer()\n"
+    ),
+    new=(
+        "        if not averaged_gradients:\n"
+        "            if self.delay_grad_averaging and not isinstance(self.grad_averager, PowerSGDGradientAverager):\n"
+        "                # the accumulators hold the next epoch's micro-steps by now; this round's local gradients are\n"
+        "                # where grad_averager.step loaded them when the round began\n"
+        "                logger.log(self.status_loglevel, \"Proceeding with local gradients of this round\")\n"
+        "                self._load_averaged_gradients_into_optimizer_()\n"
+        "            else:\n"
+        "                self._load_local_gradients_into_optimizer()\n"
+    ),
+)
+
+CANCEL_ABANDONED_ROUND = Edit(
+    path="optim/optimizer.py",
+    old='        except BaseException as e:\n            logger.log(self.status_loglevel, f"Averaging gradients failed with {repr(e)}")\n',
+    new=(
+        "        except BaseException as e:\n"
+        '            logger.log(self.status_loglevel, f"Averaging gradients failed with {repr(e)}")\n'
+        "            if maybe_step_control is not None and not maybe_step_control.done():\n"
+        "                maybe_step_control.cancel()  # else it may still find a group and write into the gradients\n"
+    ),
+)
+
 PULL_REQUESTS: Sequence[PullRequest] = (
     PullRequest(
         "01-fused-accumulation",
@@ -174,11 +203,44 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "begins: the peer stepped with zero gradients and lost its local epoch. The accumulators are now "
                 "kept until the round ends; _update_global_epoch already resets them after the optimizer step. "
                 "Two configurations keep the old behaviour. With delay_grad_averaging=True the round ends in the "
-                "background after that reset, while the next epoch accumulates: its fallback needs a copy of the "
-                "round's gradients. PowerSGDGradientAverager adds the local gradients to its error feedback once "
+                "background after that reset, while the next epoch accumulates: its fallback is a separate change. "
+                "PowerSGDGradientAverager adds the local gradients to its error feedback once "
                 "its all-reduce begins, and stepping with them as well would count them twice.",
                 (POWER_SGD_IMPORT, FALLBACK_KEEPS_ACCUMULATORS),
                 ("tests/test_optimizer_fallback.py",),
+            ),
+        ),
+    ),
+    PullRequest(
+        "07-delayed-fallback",
+        (
+            Commit(
+                "Optimizer: with delay_grad_averaging, a failed round steps with its own gradients",
+                "With delay_grad_averaging=True the gradient averaging round ends in the background, while the next "
+                "epoch accumulates. When the round failed, the fallback called load_accumulators_into_averager_(), "
+                "which loaded the next epoch's micro-steps accumulated so far (zeros if there were none): the peer "
+                "stepped with them, then sent them again in the next round. The round's own local gradients are "
+                "still in the averaged tensors, where grad_averager.step loaded them when the round began. The "
+                "fallback now steps with those. PowerSGDGradientAverager keeps the old fallback, as it does without "
+                "delay_grad_averaging: its error feedback already holds those gradients.",
+                (DELAYED_FALLBACK_USES_ROUND_GRADIENTS,),
+                ("tests/test_optimizer_delayed_fallback.py",),
+            ),
+        ),
+    ),
+    PullRequest(
+        "08-cancel-abandoned-round",
+        (
+            Commit(
+                "Optimizer: cancel a gradient averaging round it stopped waiting for",
+                "_average_gradients_and_load_into_optimizer waits averaging_timeout for the round, then steps with "
+                "the local gradients. It did not cancel the round. A round that was not pre-scheduled has no "
+                "deadline (grad_averager.step is called with timeout=None), so it kept looking for a group. If it "
+                "found one later, among other peers' next round, it sent whatever the averaged tensors held by then "
+                "and its all-reduce wrote into them while this peer's next round used them (with offload_optimizer "
+                "they are the optimizer's .grad). The round is now cancelled when the optimizer stops waiting for it.",
+                (CANCEL_ABANDONED_ROUND,),
+                ("tests/test_optimizer_abandoned_round.py",),
             ),
         ),
     ),

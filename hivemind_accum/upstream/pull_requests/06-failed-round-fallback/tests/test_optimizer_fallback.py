@@ -1,5 +1,6 @@
 import time
 from functools import partial
+from typing import Tuple
 from unittest import mock
 
 import pytest
@@ -12,18 +13,13 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.crypto import RSAPrivateKey
 
 
-@pytest.mark.forked
-@pytest.mark.parametrize("reuse_grad_buffers, offload_optimizer", [(False, False), (True, False), (False, True)])
-def test_optimizer_falls_back_to_local_gradients_after_failed_averaging(
-    reuse_grad_buffers: bool, offload_optimizer: bool
-):
-    dht = DHT(start=True)
-    # another peer reports progress and never averages: this peer begins gradient averaging rounds, which then fail
+def launch_peer_that_never_averages(dht: DHT, run_id: str, target_batch_size: int) -> Tuple[DHT, ProgressTracker]:
+    """Another peer that reports progress once and never averages: gradient averaging rounds begun with it fail"""
     other_dht = DHT(start=True, initial_peers=dht.get_visible_maddrs())
     other_tracker = ProgressTracker(
         other_dht,
-        prefix="test_fallback",
-        target_batch_size=4,
+        prefix=run_id,
+        target_batch_size=target_batch_size,
         start=True,
         private_key=RSAPrivateKey(),  # its own record, not the process-wide key's
         metadata_expiration=600,
@@ -32,6 +28,16 @@ def test_optimizer_falls_back_to_local_gradients_after_failed_averaging(
         default_refresh_period=600,
     )
     other_tracker.report_local_progress(local_epoch=0, samples_accumulated=1)
+    return other_dht, other_tracker
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("reuse_grad_buffers, offload_optimizer", [(False, False), (True, False), (False, True)])
+def test_optimizer_falls_back_to_local_gradients_after_failed_averaging(
+    reuse_grad_buffers: bool, offload_optimizer: bool
+):
+    dht = DHT(start=True)
+    other_dht, other_tracker = launch_peer_that_never_averages(dht, "test_fallback", target_batch_size=4)
 
     model = nn.Linear(3, 2, bias=False)
     grad = torch.randn(2, 3)
