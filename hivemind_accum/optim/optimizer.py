@@ -315,23 +315,16 @@ class Optimizer(upstream.Optimizer):
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control: Optional[StepControl]):
         """Run gradient averaging; on success, feed averaged gradients into optimizer; else, use local gradients of
-        the round ``maybe_step_control`` began, even after later rounds began. A round not done within
-        ``averaging_timeout`` is cancelled before that fallback: one begun without pre-scheduling has no deadline, and
-        would otherwise go on looking for a group and write into the averager's buffers later"""
-        if maybe_step_control is not None:
-            try:
-                maybe_step_control.result(self.averaging_timeout)
-            except BaseException:
-                if not maybe_step_control.done():
-                    maybe_step_control.cancel()
+        the round ``maybe_step_control`` began, even after later rounds began"""
         with self._bound_to_round(maybe_step_control):
             super()._average_gradients_and_load_into_optimizer(maybe_step_control)
 
     def _schedule_round(self) -> Optional[StepControl]:
-        """a gradient averaging round's control, scheduled as ``GradientAverager.step`` would schedule it; None (and
-        an error logged) if it cannot be"""
+        """a gradient averaging round's control, scheduled as ``GradientAverager.step`` would schedule it but with a
+        deadline ``averaging_timeout`` away, as a pre-scheduled round has (without one, a round the optimizer stopped
+        waiting for would go on looking for a group); None (and an error logged) if it cannot be"""
         try:
-            return self.grad_averager.schedule_step()
+            return self.grad_averager.schedule_step(timeout=self.averaging_timeout)
         except Exception as e:
             logger.exception(e)
             return None

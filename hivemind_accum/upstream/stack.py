@@ -146,14 +146,16 @@ DELAYED_FALLBACK_USES_ROUND_GRADIENTS = Edit(
     ),
 )
 
-CANCEL_ABANDONED_ROUND = Edit(
+GRADIENT_ROUND_DEADLINE = Edit(
     path="optim/optimizer.py",
-    old='        except BaseException as e:\n            logger.log(self.status_loglevel, f"Averaging gradients failed with {repr(e)}")\n',
+    old=(
+        "                    or isinstance(self.grad_averager, PowerSGDGradientAverager),\n"
+        "                    wait=False,\n"
+    ),
     new=(
-        "        except BaseException as e:\n"
-        '            logger.log(self.status_loglevel, f"Averaging gradients failed with {repr(e)}")\n'
-        "            if maybe_step_control is not None and not maybe_step_control.done():\n"
-        "                maybe_step_control.cancel()  # else it may still find a group and write into the gradients\n"
+        "                    or isinstance(self.grad_averager, PowerSGDGradientAverager),\n"
+        "                    timeout=self.averaging_timeout,\n"
+        "                    wait=False,\n"
     ),
 )
 
@@ -229,18 +231,19 @@ PULL_REQUESTS: Sequence[PullRequest] = (
         ),
     ),
     PullRequest(
-        "08-cancel-abandoned-round",
+        "08-gradient-round-deadline",
         (
             Commit(
-                "Optimizer: cancel a gradient averaging round it stopped waiting for",
-                "_average_gradients_and_load_into_optimizer waits averaging_timeout for the round, then steps with "
-                "the local gradients. It did not cancel the round. A round that was not pre-scheduled has no "
-                "deadline (grad_averager.step is called with timeout=None), so it kept looking for a group. If it "
-                "found one later, among other peers' next round, it sent whatever the averaged tensors held by then "
-                "and its all-reduce wrote into them while this peer's next round used them (with offload_optimizer "
-                "they are the optimizer's .grad). The round is now cancelled when the optimizer stops waiting for it.",
-                (CANCEL_ABANDONED_ROUND,),
-                ("tests/test_optimizer_abandoned_round.py",),
+                "Optimizer: give a gradient averaging round that was not pre-scheduled a deadline",
+                "A round pre-scheduled by _maybe_schedule_gradient_averaging ends by averaging_timeout. One begun "
+                "without pre-scheduling had no deadline: _begin_averaging_gradients called grad_averager.step "
+                "without a timeout. After _average_gradients_and_load_into_optimizer stopped waiting for it and "
+                "stepped with local gradients, it kept looking for a group. It held up this peer's later rounds (one "
+                "matchmaking at a time), and could join other peers' next round with the old round's weight, "
+                "sending whatever the averaged tensors held by then and writing into them. It now gets "
+                "timeout=self.averaging_timeout, as pre-scheduled gradient rounds and state averaging rounds do.",
+                (GRADIENT_ROUND_DEADLINE,),
+                ("tests/test_optimizer_round_deadline.py",),
             ),
         ),
     ),
