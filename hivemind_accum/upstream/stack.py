@@ -159,6 +159,83 @@ GRADIENT_ROUND_DEADLINE = Edit(
     ),
 )
 
+AVERAGED_GRADS_DTYPE_PARAM = Edit(
+    path="optim/grad_averager.py",
+    old="        averaged_grads: Sequence[torch.Tensor] = (),\n        **kwargs,\n",
+    new=(
+        "        averaged_grads: Sequence[torch.Tensor] = (),\n"
+        "        averaged_grads_dtype: Optional[torch.dtype] = None,\n"
+        "        **kwargs,\n"
+    ),
+)
+
+AVERAGED_GRADS_DTYPE_DOC = Edit(
+    path="optim/grad_averager.py",
+    old="    :param averaged_grads: if provided, it will be used as a set of averagable gradients\n",
+    new=(
+        "    :param averaged_grads: if provided, it will be used as a set of averagable gradients\n"
+        "    :param averaged_grads_dtype: if specified, make the averaged gradients in this dtype instead of the parameters'\n"
+        "      dtypes, e.g. torch.float32 for float16 or bfloat16 parameters. Only if averaged_grads is not provided.\n"
+        "      Peers average only with peers whose averaged gradients have the same dtypes\n"
+    ),
+)
+
+AVERAGED_GRADS_DTYPE_INIT = Edit(
+    path="optim/grad_averager.py",
+    old=(
+        "        with torch.no_grad():\n"
+        "            if not averaged_grads:\n"
+        "                averaged_grads = tuple(\n"
+        "                    grad.detach().cpu().clone().share_memory_() for grad in self._grads_from_parameters()\n"
+        "                )\n"
+        "            else:\n"
+    ),
+    new=(
+        "        if averaged_grads_dtype is not None and not averaged_grads_dtype.is_floating_point:\n"
+        "            raise ValueError(f\"averaged_grads_dtype must be a floating point dtype, got {averaged_grads_dtype}\")\n"
+        "        with torch.no_grad():\n"
+        "            if not averaged_grads:\n"
+        "                averaged_grads = tuple(\n"
+        "                    grad.detach().to(\"cpu\", dtype=averaged_grads_dtype or grad.dtype, copy=True).share_memory_()\n"
+        "                    for grad in self._grads_from_parameters()\n"
+        "                )\n"
+        "            elif averaged_grads_dtype is not None:\n"
+        "                raise ValueError(\n"
+        "                    \"averaged_grads_dtype applies to the averaged gradients this averager makes; with averaged_grads \"\n"
+        "                    \"provided, make them in the dtype you need and leave averaged_grads_dtype=None\"\n"
+        "                )\n"
+        "            else:\n"
+    ),
+)
+
+REUSED_GRADS_ZERO_GRAD = Edit(
+    path="optim/optimizer.py",
+    old=(
+        "        \"\"\"Reset gradients from model. If reuse_grad_buffers=True, this will raise an error.\"\"\"\n"
+        "        if self.use_gradient_averaging and self.grad_averager.reuse_grad_buffers:\n"
+        "            raise ValueError(\n"
+        "                f\"When running {self.__class__.__name__} with reuse_grad_buffers=True, user should never \"\n"
+        "                f\"call zero_grad manually. Gradients will be refreshed internally\"\n"
+        "            )\n"
+    ),
+    new=(
+        "        \"\"\"Reset gradients from model. If reuse_grad_buffers=True, this does nothing (see reuse_grad_buffers).\"\"\"\n"
+        "        if self.use_gradient_averaging and self.grad_averager.reuse_grad_buffers:\n"
+        "            return  # .grad buffers hold the gradients accumulated for the next averaging round, which resets them\n"
+    ),
+)
+
+REUSED_GRADS_ZERO_GRAD_DOC = Edit(
+    path="optim/optimizer.py",
+    old=(
+        "      This is more memory efficient, but it requires that the user does *NOT* call model/opt zero_grad at all\n"
+    ),
+    new=(
+        "      This is more memory efficient, but it requires that the user does *NOT* call model.zero_grad at all.\n"
+        "      Optimizer.zero_grad does nothing in this mode: the optimizer resets .grad after each averaging round\n"
+    ),
+)
+
 PULL_REQUESTS: Sequence[PullRequest] = (
     PullRequest(
         "01-fused-accumulation",
@@ -244,6 +321,42 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "timeout=self.averaging_timeout, as pre-scheduled gradient rounds and state averaging rounds do.",
                 (GRADIENT_ROUND_DEADLINE,),
                 ("tests/test_optimizer_round_deadline.py",),
+            ),
+        ),
+    ),
+    PullRequest(
+        "09-averaged-grads-dtype",
+        (
+            Commit(
+                "GradientAverager: add averaged_grads_dtype, e.g. float32 averaged gradients for float16 parameters",
+                "GradientAverager made its averaged gradients as copies of the parameters' gradients, in their dtype. "
+                "With float16 or bfloat16 parameters the all-reduce then sums and averages the peers' gradients in "
+                "that dtype: with two peers, gradients 2048 and 1 average to 1024 instead of 1024.5, as the sum 2049 "
+                "is rounded to 2048. averaged_grads_dtype=torch.float32 makes the averaged gradients float32 (first "
+                "part of #476). The default, None, keeps the parameters' dtypes, so the averaged tensors and the "
+                "schema hash of existing peers do not change. The copies into and out of the averaged gradients "
+                "(load_accumulators_into_averager_, Optimizer._load_averaged_gradients_into_optimizer_) already "
+                "convert dtypes with copy_. A dtype that is not floating point, or averaged_grads given as well, "
+                "raises ValueError.",
+                (AVERAGED_GRADS_DTYPE_PARAM, AVERAGED_GRADS_DTYPE_DOC, AVERAGED_GRADS_DTYPE_INIT),
+                ("tests/test_grad_averager_dtype.py",),
+            ),
+        ),
+    ),
+    PullRequest(
+        "10-reuse-grad-buffers-zero-grad",
+        (
+            Commit(
+                "Optimizer: let zero_grad() do nothing with reuse_grad_buffers=True instead of raising",
+                "With reuse_grad_buffers=True, Optimizer.zero_grad() raised ValueError, so the training loop of "
+                "Optimizer's own docstring and of the quickstart (opt.step(); opt.zero_grad()) failed on its first "
+                "micro-step in this mode. Integrations disable the call instead: Lightning's HivemindStrategy sets "
+                "the module's optimizer_zero_grad hook to None when reuse_grad_buffers=True. zero_grad() now does "
+                "nothing in this mode: the .grad buffers are the gradient accumulators, and the optimizer already "
+                "resets them after each averaging round (reset_accumulated_grads_). model.zero_grad() still "
+                "discards the accumulated gradients, as before.",
+                (REUSED_GRADS_ZERO_GRAD, REUSED_GRADS_ZERO_GRAD_DOC),
+                ("tests/test_optimizer_zero_grad.py",),
             ),
         ),
     ),
