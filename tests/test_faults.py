@@ -140,12 +140,15 @@ def _delayed_healthy_peer(impl: str, reuse_grad_buffers: bool, initial_peers, qu
 
 
 def _report_and_see_both_peers(opt, micro_step) -> int:
-    """this peer's first progress report (one micro-step), then wait until its tracker has read both peers' records;
-    returns the number of peers it sees"""
-    micro_step()
+    """micro-step, 0.5 s apart, until this peer's tracker has read both peers' records (at most 60 s); returns the
+    number of peers it sees. Each micro-step reports this peer's progress again: under load a first report could
+    stay unpublished while a test waited for it"""
     deadline = time.monotonic() + 60
+    micro_step()
     while opt.tracker.global_progress.num_peers < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.5)
+        if opt.tracker.global_progress.num_peers < 2:
+            micro_step()
     return opt.tracker.global_progress.num_peers
 
 

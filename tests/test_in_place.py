@@ -1,6 +1,7 @@
 """In-place mode (reuse_grad_buffers=True) against native PyTorch accumulation as the oracle."""
 import copy
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import hivemind_accum
 from hivemind_accum import GradientAverager
 from hivemind_accum.optim.local_fallback import LocalFallback
 from tests.conftest import DEVICES, MixedNet, mixed_batch, shutting_down, swarm
@@ -232,3 +234,48 @@ def test_unsettled_round_is_copied_out_inside_backward_without_blocking_on_cuda(
     for got, want in zip(loaded, expected, strict=True):
         assert want.abs().sum() > 0
         torch.testing.assert_close(got, want)
+
+
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True])
+@pytest.mark.parametrize("zero_grad_after_step", [False, True])
+@pytest.mark.parametrize("whose_zero_grad", ["optimizer", "model"])
+def test_zero_grad_drops_a_micro_batch_or_refuses(dht, reuse_grad_buffers, zero_grad_after_step, whose_zero_grad):
+    """zero_grad() between backward() and step() drops that micro-batch in exact mode (the oracle), and in place
+    when .grad was None before backward() (zero_grad after every step). In place with the view attached, backward()
+    has added the micro-batch into the running sum already: refused, naming the parameter, instead of leaving a
+    gradient the caller dropped in the sum; by opt.zero_grad() itself, or, after model.zero_grad(), by the next
+    step(). Zeroing before backward() or after step() keeps the sum"""
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    opt = hivemind_accum.Optimizer(
+        params=model.parameters(), optimizer=partial(torch.optim.SGD, lr=1.0), run_id="zero_grad", dht=dht,
+        target_batch_size=2, batch_size_per_step=1, reuse_grad_buffers=reuse_grad_buffers,
+    )
+    ones = torch.ones(1, 1)
+    zero_grad = opt.zero_grad if whose_zero_grad == "optimizer" else model.zero_grad
+
+    def micro_step():
+        if not zero_grad_after_step:
+            zero_grad()
+        model(ones).sum().backward()
+        opt.step()
+        if zero_grad_after_step:
+            zero_grad()
+
+    try:
+        micro_step(), micro_step()
+        assert opt.local_epoch == 1 and model.weight.item() == -1.0
+        model(ones * 100).sum().backward()
+        if reuse_grad_buffers and not zero_grad_after_step:
+            with pytest.raises(ValueError, match=r"parameters\[0\] \(shape \(1, 1\)\): zero_grad\(\) after backward"):
+                zero_grad()
+                micro_step()  # model.zero_grad() cannot refuse: the next step() does
+            return
+        zero_grad()  # drops the micro-batch of 100s
+        micro_step(), micro_step()
+        assert opt.local_epoch == 2 and model.weight.item() == -2.0
+    finally:
+        opt.shutdown()

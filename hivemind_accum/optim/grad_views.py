@@ -42,6 +42,7 @@ class GradViews:
         self.parameters = tuple(parameters)
         self.views = accumulators.views
         self._written: Set[int] = set()  # parameters whose view autograd added into since the last attach_
+        self._dropped: Set[int] = set()  # of those, parameters whose .grad was set to None before the next attach_
         self._buckets = accumulators.buckets
         self._bucket_of = [0] * len(self.parameters)
         for k, bucket in enumerate(self._buckets):
@@ -67,8 +68,10 @@ class GradViews:
         attached this only compares object identities, no tensor work.
 
         :raises ValueError: naming the parameter, if its ``.grad`` was replaced after autograd had added into its view
-          (``p.grad = f(p.grad)``): adding it would count the running sum twice; naming the bucket, if a view holding
-          earlier micro-steps' gradients was edited in place since the last call (``clip_grad_norm_``, ``mul_``)
+          (``p.grad = f(p.grad)``): adding it would count the running sum twice; naming the parameter, if its
+          ``.grad`` was set to None (``zero_grad``) after autograd had added into its view: that micro-batch cannot be
+          dropped; naming the bucket, if a view holding earlier micro-steps' gradients was edited in place since the
+          last call (``clip_grad_norm_``, ``mul_``)
         """
         self._check_edits()
         if all(map(operator.is_, map(_get_grad, self.parameters), self.views)):
@@ -77,6 +80,10 @@ class GradViews:
             return  # O(parameters) identity checks in C, about 0.1 us per parameter
         written, self._written = self._written, set()
         detached = [i for i, (param, view) in enumerate(zip(self.parameters, self.views)) if param.grad is not view]
+        dropped, self._dropped = self._dropped, set()
+        dropped.update(i for i in detached if i in written and self.parameters[i].grad is None)
+        if dropped:
+            raise ValueError(self._dropped_message(dropped))
         from_sum = [i for i in detached if i in written and self.parameters[i].grad is not None]
         if from_sum:
             raise ValueError(
@@ -99,10 +106,32 @@ class GradViews:
         """attach every view again, dropping whatever replaced it (the caller has reset the accumulators); writes to
         the views until now are accounted for"""
         self._written.clear()
+        self._dropped.clear()
         for param, view in zip(self.parameters, self.views):
             param.grad = view
         self._edited = [0] * len(self._buckets)
         self._account_()
+
+    def check_no_unstepped_grads(self) -> None:
+        """
+        Before ``zero_grad(set_to_none=True)``: setting ``.grad`` to None drops a micro-batch's gradient only if it is
+        not yet in the running sum.
+
+        :raises ValueError: naming the parameter, if backward() added into its view since the last micro-step: that
+          gradient is part of the running sum now, and dropping it is impossible
+        """
+        if self._written:
+            raise ValueError(self._dropped_message(self._written))
+
+    def _dropped_message(self, indices: Set[int]) -> str:
+        first = min(indices)
+        return (
+            f"parameters[{first}] (shape {tuple(self.parameters[first].shape)}"
+            f"{f' and {len(indices) - 1} more' if len(indices) > 1 else ''}): zero_grad() after backward() and "
+            f"before step(). With reuse_grad_buffers=True backward() adds each micro-batch's gradient into the "
+            f"running sum of the epoch at once, so zero_grad() cannot drop it. Call step() before zero_grad(), or use "
+            f"reuse_grad_buffers=False (exact mode) to drop micro-batches"
+        )
 
     @contextlib.contextmanager
     def own_write(self, zeroes: bool = False) -> Iterator[None]:
@@ -155,8 +184,10 @@ class GradViews:
     def _before_autograd_adds(self, index: int) -> None:
         param = self.parameters[index]
         grad = param.grad
-        if grad is None:
-            self._written.discard(index)  # autograd makes a fresh .grad: adding it is right whatever came before
+        if grad is None:  # autograd makes a fresh .grad, added at the next attach_
+            if index in self._written:  # set to None after backward() added into the view: a dropped micro-batch
+                self._dropped.add(index)
+            self._written.discard(index)
         elif grad is self.views[index]:
             if torch.is_grad_enabled():  # backward(create_graph=True): autograd would set .grad = view + gradient
                 param.grad = None

@@ -469,14 +469,18 @@ class Optimizer(upstream.Optimizer):
         accumulated gradients, as it would in native PyTorch accumulation.
 
         :param set_to_none: set each ``.grad`` to None instead of filling it with zeros
+        :raises ValueError: in in-place mode with ``set_to_none=True``, naming the parameter, after a ``backward()``
+          not yet followed by ``step()``: its gradient is in the running sum already, so it cannot be dropped
         """
         params = [param for group in self.param_groups for param in group["params"]]
+        views = getattr(self.grad_averager, "_grad_views", None) if self.use_gradient_averaging else None
         if set_to_none:
+            if views is not None:
+                views.check_no_unstepped_grads()
             for param in params:
                 param.grad = None
             return
         grads = [param.grad for param in params if param.grad is not None]
-        views = getattr(self.grad_averager, "_grad_views", None) if self.use_gradient_averaging else None
         if views is None:
             foreach_zero_(grads)
         else:

@@ -175,64 +175,64 @@ AVERAGED_GRADS_DTYPE_DOC = Edit(
     new=(
         "    :param averaged_grads: if provided, it will be used as a set of averagable gradients\n"
         "    :param averaged_grads_dtype: if specified, make the averaged gradients in this dtype instead of the parameters'\n"
-        "      dtypes, e.g. torch.float32 for float16 or bfloat16 parameters. Only if averaged_grads is not provided.\n"
-        "      Peers average only with peers whose averaged gradients have the same dtypes\n"
+        "      dtypes (only if averaged_grads is not provided). E.g. torch.float32 for float16 or bfloat16 parameters with\n"
+        "      an offloaded optimizer, whose float32 parameters then get the average unrounded. Peers average only with\n"
+        "      peers whose averaged gradients have the same dtypes\n"
+    ),
+)
+
+AVERAGED_GRADS_DTYPE_CHECKS = Edit(
+    path="optim/grad_averager.py",
+    old=(
+        "        if reuse_grad_buffers and accumulate_grads_on is not None:\n"
+        "            logger.warning(\"Setting 'accumulate_grads_on' has no effect if reuse_grad_buffers=True\")\n"
+    ),
+    new=(
+        "        if averaged_grads_dtype is not None and not averaged_grads_dtype.is_floating_point:\n"
+        "            raise ValueError(f\"averaged_grads_dtype must be a floating point dtype, got {averaged_grads_dtype}\")\n"
+        "        if averaged_grads_dtype is not None and averaged_grads:\n"
+        "            raise ValueError(\n"
+        "                \"averaged_grads_dtype applies to the averaged gradients this averager makes; with averaged_grads \"\n"
+        "                \"provided, make them in the dtype you need and leave averaged_grads_dtype=None\"\n"
+        "            )\n"
+        "        if reuse_grad_buffers and accumulate_grads_on is not None:\n"
+        "            logger.warning(\"Setting 'accumulate_grads_on' has no effect if reuse_grad_buffers=True\")\n"
     ),
 )
 
 AVERAGED_GRADS_DTYPE_INIT = Edit(
     path="optim/grad_averager.py",
-    old=(
-        "        with torch.no_grad():\n"
-        "            if not averaged_grads:\n"
-        "                averaged_grads = tuple(\n"
-        "                    grad.detach().cpu().clone().share_memory_() for grad in self._grads_from_parameters()\n"
-        "                )\n"
-        "            else:\n"
-    ),
+    old="                    grad.detach().cpu().clone().share_memory_() for grad in self._grads_from_parameters()\n",
     new=(
-        "        if averaged_grads_dtype is not None and not averaged_grads_dtype.is_floating_point:\n"
-        "            raise ValueError(f\"averaged_grads_dtype must be a floating point dtype, got {averaged_grads_dtype}\")\n"
-        "        with torch.no_grad():\n"
-        "            if not averaged_grads:\n"
-        "                averaged_grads = tuple(\n"
         "                    grad.detach().to(\"cpu\", dtype=averaged_grads_dtype or grad.dtype, copy=True).share_memory_()\n"
         "                    for grad in self._grads_from_parameters()\n"
-        "                )\n"
-        "            elif averaged_grads_dtype is not None:\n"
-        "                raise ValueError(\n"
-        "                    \"averaged_grads_dtype applies to the averaged gradients this averager makes; with averaged_grads \"\n"
-        "                    \"provided, make them in the dtype you need and leave averaged_grads_dtype=None\"\n"
-        "                )\n"
-        "            else:\n"
     ),
 )
 
-REUSED_GRADS_ZERO_GRAD = Edit(
-    path="optim/optimizer.py",
-    old=(
-        "        \"\"\"Reset gradients from model. If reuse_grad_buffers=True, this will raise an error.\"\"\"\n"
-        "        if self.use_gradient_averaging and self.grad_averager.reuse_grad_buffers:\n"
-        "            raise ValueError(\n"
-        "                f\"When running {self.__class__.__name__} with reuse_grad_buffers=True, user should never \"\n"
-        "                f\"call zero_grad manually. Gradients will be refreshed internally\"\n"
-        "            )\n"
-    ),
+SCHEMA_REJECTION_SEEN = Edit(
+    path="averaging/matchmaking.py",
+    old="        self.client_mode = client_mode\n",
     new=(
-        "        \"\"\"Reset gradients from model. If reuse_grad_buffers=True, this does nothing (see reuse_grad_buffers).\"\"\"\n"
-        "        if self.use_gradient_averaging and self.grad_averager.reuse_grad_buffers:\n"
-        "            return  # .grad buffers hold the gradients accumulated for the next averaging round, which resets them\n"
+        "        self.client_mode = client_mode\n"
+        "        self.peers_with_other_schema: Set[PeerID] = set()  # leaders that rejected us with BAD_SCHEMA_HASH\n"
     ),
 )
 
-REUSED_GRADS_ZERO_GRAD_DOC = Edit(
-    path="optim/optimizer.py",
+SCHEMA_REJECTION_WARNING = Edit(
+    path="averaging/matchmaking.py",
     old=(
-        "      This is more memory efficient, but it requires that the user does *NOT* call model/opt zero_grad at all\n"
+        "            if message.code != averaging_pb2.ACCEPTED:\n"
+        "                code = averaging_pb2.MessageCode.Name(message.code)\n"
     ),
     new=(
-        "      This is more memory efficient, but it requires that the user does *NOT* call model.zero_grad at all.\n"
-        "      Optimizer.zero_grad does nothing in this mode: the optimizer resets .grad after each averaging round\n"
+        "            if message.code == averaging_pb2.BAD_SCHEMA_HASH and leader not in self.peers_with_other_schema:\n"
+        "                self.peers_with_other_schema.add(leader)\n"
+        "                logger.warning(\n"
+        "                    f\"{self.peer_id} - {leader} will not average with this peer (BAD_SCHEMA_HASH): peers average \"\n"
+        "                    f\"only if their averaged tensors have the same shapes and dtypes, in the same order\"\n"
+        "                )\n"
+        "            if message.code != averaging_pb2.ACCEPTED:\n"
+        "                code = averaging_pb2.MessageCode.Name(message.code)\n"
     ),
 )
 
@@ -330,33 +330,33 @@ PULL_REQUESTS: Sequence[PullRequest] = (
             Commit(
                 "GradientAverager: add averaged_grads_dtype, e.g. float32 averaged gradients for float16 parameters",
                 "GradientAverager made its averaged gradients as copies of the parameters' gradients, in their dtype. "
-                "With float16 or bfloat16 parameters the all-reduce then sums and averages the peers' gradients in "
-                "that dtype: with two peers, gradients 2048 and 1 average to 1024 instead of 1024.5, as the sum 2049 "
-                "is rounded to 2048. averaged_grads_dtype=torch.float32 makes the averaged gradients float32 (first "
-                "part of #476). The default, None, keeps the parameters' dtypes, so the averaged tensors and the "
-                "schema hash of existing peers do not change. The copies into and out of the averaged gradients "
-                "(load_accumulators_into_averager_, Optimizer._load_averaged_gradients_into_optimizer_) already "
-                "convert dtypes with copy_. A dtype that is not floating point, or averaged_grads given as well, "
-                "raises ValueError.",
-                (AVERAGED_GRADS_DTYPE_PARAM, AVERAGED_GRADS_DTYPE_DOC, AVERAGED_GRADS_DTYPE_INIT),
+                "With float16 or bfloat16 parameters, the all-reduce averages in float32, but the result is rounded "
+                "when written into the averaged gradients: two peers with gradients 2048 and 1 get 1024 instead of "
+                "1024.5. averaged_grads_dtype=torch.float32 makes the averaged gradients float32 (first part of "
+                "#476). This matters where they are used as float32: with offload_optimizer=True they become the "
+                ".grad of the optimizer's float32 copies of the parameters. That configuration raised RuntimeError "
+                "in Optimizer() with float16 parameters (a float16 gradient for a float32 tensor) and now trains. "
+                "The default, None, keeps the parameters' dtypes, so the averaged tensors and the schema hash of "
+                "existing peers do not change. A dtype that is not floating point, or averaged_grads given as well, "
+                "raises ValueError before anything is allocated.",
+                (AVERAGED_GRADS_DTYPE_PARAM, AVERAGED_GRADS_DTYPE_DOC, AVERAGED_GRADS_DTYPE_CHECKS, AVERAGED_GRADS_DTYPE_INIT),
                 ("tests/test_grad_averager_dtype.py",),
             ),
         ),
     ),
     PullRequest(
-        "10-reuse-grad-buffers-zero-grad",
+        "10-schema-hash-warning",
         (
             Commit(
-                "Optimizer: let zero_grad() do nothing with reuse_grad_buffers=True instead of raising",
-                "With reuse_grad_buffers=True, Optimizer.zero_grad() raised ValueError, so the training loop of "
-                "Optimizer's own docstring and of the quickstart (opt.step(); opt.zero_grad()) failed on its first "
-                "micro-step in this mode. Integrations disable the call instead: Lightning's HivemindStrategy sets "
-                "the module's optimizer_zero_grad hook to None when reuse_grad_buffers=True. zero_grad() now does "
-                "nothing in this mode: the .grad buffers are the gradient accumulators, and the optimizer already "
-                "resets them after each averaging round (reset_accumulated_grads_). model.zero_grad() still "
-                "discards the accumulated gradients, as before.",
-                (REUSED_GRADS_ZERO_GRAD, REUSED_GRADS_ZERO_GRAD_DOC),
-                ("tests/test_optimizer_zero_grad.py",),
+                "Matchmaking: warn once per peer that rejects this peer for its schema hash",
+                "Two averagers whose averaged tensors differ in shape, dtype or order never average together: the "
+                "leader rejects the follower's request with BAD_SCHEMA_HASH. The follower logged that at DEBUG level "
+                "only, like the rejections that resolve themselves (NOT_LOOKING_FOR_GROUP, BAD_EXPIRATION_TIME, ...). "
+                "So a swarm whose peers disagree on the model, or on the dtypes of their averaged tensors, looked "
+                "like a swarm with no one to average with. A rejection for the schema hash now logs a WARNING once "
+                "per leader; other rejections stay at DEBUG level.",
+                (SCHEMA_REJECTION_SEEN, SCHEMA_REJECTION_WARNING),
+                ("tests/test_matchmaking_schema.py",),
             ),
         ),
     ),

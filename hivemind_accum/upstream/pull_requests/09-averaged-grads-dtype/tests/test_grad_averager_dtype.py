@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 from hivemind import DHT
+from hivemind.averaging.averager import compute_schema_hash
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.optimizer import Optimizer
 from hivemind.utils import get_dht_time
@@ -47,6 +48,26 @@ def test_averaged_grads_dtype(param_dtype):
 
 
 @pytest.mark.forked
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
+def test_averaged_grads_keep_parameter_dtype_by_default(param_dtype):
+    dht = DHT(start=True)
+    model = nn.Linear(3, 2).to(param_dtype)
+    default = GradientAverager(model.parameters(), dht=dht, prefix="test", start=False)
+    in_float32 = GradientAverager(
+        model.parameters(), dht=dht, prefix="test", averaged_grads_dtype=torch.float32, start=False
+    )
+    with default.get_tensors() as averaged_grads:
+        assert [grad.dtype for grad in averaged_grads] == [param_dtype, param_dtype]
+    with in_float32.get_tensors() as averaged_grads:
+        assert [grad.dtype for grad in averaged_grads] == [torch.float32, torch.float32]
+
+    # peers that do not set averaged_grads_dtype keep the schema hash they had, so they still average together
+    assert default.schema_hash == compute_schema_hash([torch.zeros_like(param) for param in model.parameters()])
+    assert in_float32.schema_hash != default.schema_hash
+    dht.shutdown()
+
+
+@pytest.mark.forked
 @pytest.mark.parametrize("reuse_grad_buffers", [False, True])
 @pytest.mark.parametrize("offload_optimizer", [False, True])
 def test_optimizer_with_averaged_grads_dtype(reuse_grad_buffers, offload_optimizer):
@@ -65,22 +86,24 @@ def test_optimizer_with_averaged_grads_dtype(reuse_grad_buffers, offload_optimiz
         offload_optimizer=offload_optimizer,
         grad_averager_factory=partial(GradientAverager, averaged_grads_dtype=torch.float32),
     )
-    with opt.grad_averager.get_tensors() as averaged_grads:
-        assert all(grad.dtype == torch.float32 for grad in averaged_grads)
+    try:
+        with opt.grad_averager.get_tensors() as averaged_grads:
+            assert all(grad.dtype == torch.float32 for grad in averaged_grads)
 
-    before = [param.detach().clone() for param in model.parameters()]
-    for step in range(2):  # the second micro-step reaches target_batch_size: no other peers, local gradients
-        for param in model.parameters():
-            if param.grad is None or not reuse_grad_buffers:
-                param.grad = torch.zeros_like(param)
-            param.grad.add_(0.25)
-        opt.step()
-    assert opt.local_epoch == 1
-    for param, old in zip(model.parameters(), before):
-        # the mean gradient of the two micro-steps, through the float32 averaged gradients
-        assert param.dtype == torch.float16 and torch.equal(param, old - 0.25)
-    opt.shutdown()
-    dht.shutdown()
+        before = [param.detach().clone() for param in model.parameters()]
+        for step in range(2):  # the second micro-step reaches target_batch_size: no other peers, local gradients
+            for param in model.parameters():
+                if param.grad is None or not reuse_grad_buffers:
+                    param.grad = torch.zeros_like(param)
+                param.grad.add_(0.25)
+            opt.step()
+        assert opt.local_epoch == 1
+        for param, old in zip(model.parameters(), before):
+            # the mean gradient of the two micro-steps, through the float32 averaged gradients
+            assert param.dtype == torch.float16 and torch.equal(param, old - 0.25)
+    finally:
+        opt.shutdown()
+        dht.shutdown()
 
 
 @pytest.mark.forked
