@@ -214,7 +214,7 @@ SCHEMA_REJECTION_SEEN = Edit(
     old="        self.client_mode = client_mode\n",
     new=(
         "        self.client_mode = client_mode\n"
-        "        self.peers_with_other_schema: Set[PeerID] = set()  # leaders that rejected us with BAD_SCHEMA_HASH\n"
+        "        self._warned_bad_schema_hash = False\n"
     ),
 )
 
@@ -225,11 +225,12 @@ SCHEMA_REJECTION_WARNING = Edit(
         "                code = averaging_pb2.MessageCode.Name(message.code)\n"
     ),
     new=(
-        "            if message.code == averaging_pb2.BAD_SCHEMA_HASH and leader not in self.peers_with_other_schema:\n"
-        "                self.peers_with_other_schema.add(leader)\n"
+        "            if message.code == averaging_pb2.BAD_SCHEMA_HASH and not self._warned_bad_schema_hash:\n"
+        "                self._warned_bad_schema_hash = True\n"
         "                logger.warning(\n"
         "                    f\"{self.peer_id} - {leader} will not average with this peer (BAD_SCHEMA_HASH): peers average \"\n"
-        "                    f\"only if their averaged tensors have the same shapes and dtypes, in the same order\"\n"
+        "                    f\"only if their averaged tensors have the same shapes and dtypes, in the same order. Check that \"\n"
+        "                    f\"all peers use the same model and dtypes (further rejections are logged at DEBUG level)\"\n"
         "                )\n"
         "            if message.code != averaging_pb2.ACCEPTED:\n"
         "                code = averaging_pb2.MessageCode.Name(message.code)\n"
@@ -348,13 +349,13 @@ PULL_REQUESTS: Sequence[PullRequest] = (
         "10-schema-hash-warning",
         (
             Commit(
-                "Matchmaking: warn once per peer that rejects this peer for its schema hash",
+                "Matchmaking: warn once when a leader rejects this peer for its schema hash",
                 "Two averagers whose averaged tensors differ in shape, dtype or order never average together: the "
                 "leader rejects the follower's request with BAD_SCHEMA_HASH. The follower logged that at DEBUG level "
                 "only, like the rejections that resolve themselves (NOT_LOOKING_FOR_GROUP, BAD_EXPIRATION_TIME, ...). "
                 "So a swarm whose peers disagree on the model, or on the dtypes of their averaged tensors, looked "
-                "like a swarm with no one to average with. A rejection for the schema hash now logs a WARNING once "
-                "per leader; other rejections stay at DEBUG level.",
+                "like a swarm with no one to average with. The first rejection for the schema hash now logs a "
+                "WARNING, once per averager; later ones, and other rejections, stay at DEBUG level.",
                 (SCHEMA_REJECTION_SEEN, SCHEMA_REJECTION_WARNING),
                 ("tests/test_matchmaking_schema.py",),
             ),

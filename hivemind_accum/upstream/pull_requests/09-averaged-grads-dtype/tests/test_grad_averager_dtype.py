@@ -37,7 +37,7 @@ def test_averaged_grads_dtype(param_dtype):
     for control in controls:
         control.result(timeout=30)
 
-    # (2048 + 1) / 2: float16 and bfloat16 would round the sum 2049 to 2048
+    # (2048 + 1) / 2 = 1024.5: float16 and bfloat16 averaged gradients would round it to 1024
     for averager in averagers:
         with averager.get_tensors() as (averaged_grad,):
             assert averaged_grad.dtype == torch.float32
