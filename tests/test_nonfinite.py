@@ -27,7 +27,7 @@ import torch
 
 import hivemind_accum
 from hivemind_accum.optim.round_guard import RoundGuard, all_finite
-from tests.conftest import receive_by_value, send_by_value, shutting_down, wait_for
+from tests.conftest import receive_by_value, send_by_value, shutting_down, swarm, wait_for
 
 EPOCHS, MICRO_STEPS, BATCH = 3, 3, 2  # epochs: at most, and by default; the two-peer NaN tests need two
 STEP_SLEEP = 0.1
@@ -164,6 +164,39 @@ def test_powersgd_never_enters_a_round_with_nonfinite_error_feedback_or_q(dht):
         with averager.get_tensors():
             assert torch.equal(averager._ms[0], torch.zeros(4, 4)) and torch.isfinite(averager._qs[0]).all()
             assert torch.equal(averager._ms[1], torch.full((4, 4), 2.0)) and torch.equal(averager._qs[1], healthy_q)
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("reuse_grad_buffers", [False, True])
+def test_powersgd_round_with_weight_zero_leaves_error_feedback_as_it_was(reuse_grad_buffers):
+    """A's gradients are NaN in round 1: both peers get B's gradients in both rounds. Upstream's round subtracted the
+    group's result from A's error feedback even with weight 0, so round 2 gave half of it"""
+    torch.manual_seed(0)  # each averager draws its starting Q with torch.rand
+    with swarm(2) as dhts:
+        models = [torch.nn.Linear(*SHAPE, bias=False) for _ in dhts]
+        averagers = [
+            hivemind_accum.PowerSGDGradientAverager(
+                model.parameters(), averager_rank=1, dht=node, prefix="nonfinite_powersgd_rounds",
+                target_group_size=2, reuse_grad_buffers=reuse_grad_buffers, start=True,
+            )
+            for model, node in zip(models, dhts)
+        ]
+        with shutting_down(*averagers):
+            for round_bad in True, False:
+                for model, averager, bad in zip(models, averagers, (round_bad, False)):
+                    model.weight.grad = direction() * (float("nan") if bad else 1.0)
+                    averager.accumulate_grads_(batch_size=2)
+                with averagers[1].get_tensors():  # B's Q: the only one with weight in both phases of either round
+                    atol = powersgd_atol([q.clone() for q in averagers[1]._qs])
+                controls = [averager.schedule_step(hivemind.utils.get_dht_time() + 3) for averager in averagers]
+                for averager, control in zip(averagers, controls):
+                    averager.step(control=control, wait=False)
+                for control in controls:
+                    control.result(timeout=30)
+                assert [control.weight for control in controls] == [0 if round_bad else 2, 2]
+                for averager in averagers:
+                    with averager.get_tensors() as (weight_grad,):
+                        torch.testing.assert_close(weight_grad, direction(), rtol=0, atol=atol)
 
 
 @pytest.mark.forked

@@ -8,9 +8,11 @@ accumulation call land on the flat buckets while PowerSGD's compression and all-
 """
 import torch
 from hivemind.optim import power_sgd_averager as upstream
+from hivemind.utils.asyncio import enter_asynchronously
 
 from hivemind_accum.optim.grad_averager import GradientAverager
 from hivemind_accum.optim.round_guard import all_finite
+from hivemind_accum.optim.torch_internals import foreach_copy_
 
 
 class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverager):
@@ -23,8 +25,9 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
 
     A failed round does not fall back to the round's local gradients (``keep_local_fallback = False``): PowerSGD adds
     them into its error-feedback buffers when the all-reduce starts, so applying them now would count them twice.
-    This peer's inf/NaN gradients go out as zeros with weight 0; error feedback and ``Q`` left non-finite by a round
-    are reset before the next one (:meth:`discard_nonfinite_round_`; docs/faults.md).
+    This peer's inf/NaN gradients go out as zeros with weight 0, and such a round leaves its error feedback as it was
+    (:meth:`_aggregate_with_group`); error feedback and ``Q`` left non-finite by a round are reset before the next one
+    (:meth:`discard_nonfinite_round_`; docs/faults.md).
     """
 
     keep_local_fallback = False
@@ -36,6 +39,20 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
             raise ValueError(f"averaged_grads_dtype: PowerSGD averages in torch.float32, got {averaged_grads_dtype!r}")
         self.averaged_grads_dtype = averaged_grads_dtype  # read by _grads_from_parameters before __init__ sets it
         super().__init__(*args, averaged_grads_dtype=averaged_grads_dtype, **kwargs)
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        """the PowerSGD round (in the averager's background process); in a round joined with weight 0 the
+        error-feedback buffers are restored afterwards: this peer sent nothing to compress, but the round subtracts
+        the group's result from them, so the next round would send minus that result along with the next gradients"""
+        if kwargs.get("weight") != 0:
+            return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        async with enter_asynchronously(self.get_tensors()):
+            error_feedback = [m.clone() for m in self._ms]
+        try:
+            return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        finally:
+            async with enter_asynchronously(self.get_tensors()):
+                foreach_copy_(self._ms, error_feedback)
 
     @torch.no_grad()
     def load_accumulators_into_averager_(self):

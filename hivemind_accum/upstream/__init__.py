@@ -275,6 +275,11 @@ KEPT_HELPERS = {
         "(PowerSGD fails on fp16/bf16 gradients in their own dtype, hivemind#545), sets it before the previous "
         "__init__ sizes its buffers from _grads_from_parameters, and passes it on to GradientAverager."
     ),
+    "PowerSGDGradientAverager._base_aggregate_with_group": (
+        "the previous _aggregate_with_group, the PowerSGD round. The new one runs it unchanged, and in a round "
+        "joined with weight 0 copies the error-feedback buffers before it and back after it: the round subtracts "
+        "the group's result from them, though this peer sent nothing to compress."
+    ),
     "Optimizer._base_step": (
         "the previous step. The new one hands a torch.amp.GradScaler to the micro-step accumulation for one call "
         "only (set before it calls the previous step with grad_scaler=None, cleared in a finally clause), and calls "

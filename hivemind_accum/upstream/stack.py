@@ -237,6 +237,34 @@ SCHEMA_REJECTION_WARNING = Edit(
     ),
 )
 
+NONFINITE_GRADS_WEIGHT_ZERO = Edit(
+    path="optim/grad_averager.py",
+    old="        control.weight = self.local_samples_accumulated if weight is None else weight\n",
+    new=(
+        "        control.weight = self.local_samples_accumulated if weight is None else weight\n"
+        "        with self.get_tensors() as averaged_grads:\n"
+        "            # inf and NaN propagate through a sum; finite float32/16 values cannot overflow a float64 sum\n"
+        "            if not all(grad.sum(dtype=torch.float64).isfinite() for grad in averaged_grads):\n"
+        "                logger.warning(\"Local gradients contain inf or NaN: averaging zeros with weight 0 instead\")\n"
+        "                for grad in averaged_grads:\n"
+        "                    grad.zero_()\n"
+        "                control.weight = 0\n"
+    ),
+)
+
+NONFINITE_GRADS_POWER_SGD_RESIDUAL = Edit(
+    path="optim/power_sgd_averager.py",
+    old=(
+        "                    new_m = torch.matmul(p, q.t()).reshape(m.size())\n"
+        "                    m.sub_(new_m)\n"
+    ),
+    new=(
+        "                    new_m = torch.matmul(p, q.t()).reshape(m.size())\n"
+        "                    if kwargs.get(\"weight\") != 0:  # with weight 0, this peer sent nothing to compress\n"
+        "                        m.sub_(new_m)\n"
+    ),
+)
+
 PULL_REQUESTS: Sequence[PullRequest] = (
     PullRequest(
         "01-fused-accumulation",
@@ -358,6 +386,24 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "WARNING, once per averager; later ones, and other rejections, stay at DEBUG level.",
                 (SCHEMA_REJECTION_SEEN, SCHEMA_REJECTION_WARNING),
                 ("tests/test_matchmaking_schema.py",),
+            ),
+        ),
+    ),
+    PullRequest(
+        "11-nonfinite-grads-weight-zero",
+        (
+            Commit(
+                "GradientAverager: average inf/NaN gradients as zeros with weight 0",
+                "One peer whose accumulated gradients held inf or NaN (a diverging micro-batch, a bad sample) sent "
+                "them into the all-reduce, which computes sum(weight * grad) / sum(weight): every peer of the group "
+                "received inf or NaN in that part of the averaged gradients and stepped with it; PowerSGD kept NaN "
+                "in its error-feedback buffers for every later round. GradientAverager.step now checks the gradients "
+                "it has loaded for averaging (one float64 sum per tensor, once per round); if any element is not "
+                "finite, it averages zeros with weight 0 and logs a warning. Every peer of the group, this one "
+                "included, then receives the average of the others. PowerSGD leaves its error-feedback residual as it "
+                "was in a round it joins with weight 0. Peers without this change average with it as before.",
+                (NONFINITE_GRADS_WEIGHT_ZERO, NONFINITE_GRADS_POWER_SGD_RESIDUAL),
+                ("tests/test_grad_averager_nonfinite.py",),
             ),
         ),
     ),
