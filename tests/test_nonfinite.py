@@ -169,8 +169,10 @@ def test_powersgd_never_enters_a_round_with_nonfinite_error_feedback_or_q(dht):
 @pytest.mark.forked
 @pytest.mark.parametrize("reuse_grad_buffers", [False, True])
 def test_powersgd_round_with_weight_zero_leaves_error_feedback_as_it_was(reuse_grad_buffers):
-    """A's gradients are NaN in round 1: both peers get B's gradients in both rounds. Upstream's round subtracted the
-    group's result from A's error feedback even with weight 0, so round 2 gave half of it"""
+    """A joins round 1 with weight 0 for its NaN gradients and round 2 with weight 0 given explicitly (as hivemind's
+    tag-along rounds do), its buffers finite: every round gives B's gradients. PowerSGD's round adds a peer's buffers
+    into its error feedback and subtracts the group's result, also with weight 0: round 2, then round 3, gave half
+    (or 1.5 times) the gradient"""
     torch.manual_seed(0)  # each averager draws its starting Q with torch.rand
     with swarm(2) as dhts:
         models = [torch.nn.Linear(*SHAPE, bias=False) for _ in dhts]
@@ -182,21 +184,23 @@ def test_powersgd_round_with_weight_zero_leaves_error_feedback_as_it_was(reuse_g
             for model, node in zip(models, dhts)
         ]
         with shutting_down(*averagers):
-            for round_bad in True, False:
-                for model, averager, bad in zip(models, averagers, (round_bad, False)):
-                    model.weight.grad = direction() * (float("nan") if bad else 1.0)
+            # A's gradient scale, A's weight (None: the default), both expected weights
+            for a_scale, a_weight, expected_weights in (float("nan"), None, [0, 2]), (1.0, 0, [0, 2]), (1.0, None, [2, 2]):
+                for model, averager, scale in zip(models, averagers, (a_scale, 1.0)):
+                    model.weight.grad = direction() * scale
                     averager.accumulate_grads_(batch_size=2)
                 with averagers[1].get_tensors():  # B's Q: the only one with weight in both phases of either round
                     atol = powersgd_atol([q.clone() for q in averagers[1]._qs])
                 controls = [averager.schedule_step(hivemind.utils.get_dht_time() + 3) for averager in averagers]
-                for averager, control in zip(averagers, controls):
-                    averager.step(control=control, wait=False)
+                for averager, control, weight in zip(averagers, controls, (a_weight, None)):
+                    averager.step(weight=weight, control=control, wait=False)
                 for control in controls:
                     control.result(timeout=30)
-                assert [control.weight for control in controls] == [0 if round_bad else 2, 2]
+                assert [control.weight for control in controls] == expected_weights
                 for averager in averagers:
                     with averager.get_tensors() as (weight_grad,):
                         torch.testing.assert_close(weight_grad, direction(), rtol=0, atol=atol)
+                    averager.notify_used_averaged_gradients()
 
 
 @pytest.mark.forked

@@ -252,7 +252,22 @@ NONFINITE_GRADS_WEIGHT_ZERO = Edit(
     ),
 )
 
-NONFINITE_GRADS_POWER_SGD_RESIDUAL = Edit(
+NONFINITE_GRADS_POWER_SGD_ADD = Edit(
+    path="optim/power_sgd_averager.py",
+    old=(
+        "                for grad, m in zip(averaged_grads_via_sgd, self._ms):\n"
+        "                    m.add_(grad.to(m.device))\n"
+    ),
+    new=(
+        "                # with weight 0, this peer sends nothing to compress: its error-feedback residual stays as it was\n"
+        "                update_residuals = kwargs.get(\"weight\") != 0\n"
+        "                for grad, m in zip(averaged_grads_via_sgd, self._ms):\n"
+        "                    if update_residuals:\n"
+        "                        m.add_(grad.to(m.device))\n"
+    ),
+)
+
+NONFINITE_GRADS_POWER_SGD_SUB = Edit(
     path="optim/power_sgd_averager.py",
     old=(
         "                    new_m = torch.matmul(p, q.t()).reshape(m.size())\n"
@@ -260,8 +275,66 @@ NONFINITE_GRADS_POWER_SGD_RESIDUAL = Edit(
     ),
     new=(
         "                    new_m = torch.matmul(p, q.t()).reshape(m.size())\n"
-        "                    if kwargs.get(\"weight\") != 0:  # with weight 0, this peer sent nothing to compress\n"
+        "                    if update_residuals:\n"
         "                        m.sub_(new_m)\n"
+    ),
+)
+
+NONFINITE_GRADS_WEIGHT_DOC = Edit(
+    path="optim/grad_averager.py",
+    old="        :param weight: overrides the averaging weight; by default, weight equals the number of accumulated samples\n",
+    new=(
+        "        :param weight: overrides the averaging weight; by default, weight equals the number of accumulated samples\n"
+        "          (if the accumulated gradients contain inf or NaN, this peer averages zeros with weight 0 instead)\n"
+    ),
+)
+
+NONFINITE_STATE_INIT = Edit(
+    path="optim/state_averager.py",
+    old=(
+        "        start_time = time.perf_counter()\n"
+        "        began_running = False\n"
+    ),
+    new=(
+        "        start_time = time.perf_counter()\n"
+        "        began_running = False\n"
+        "        nonfinite_tensors = None\n"
+    ),
+)
+
+NONFINITE_STATE_WEIGHT_ZERO = Edit(
+    path="optim/state_averager.py",
+    old=(
+        "                    if not self.reuse_tensors:\n"
+        "                        self._load_local_tensors_into_averager_()\n"
+    ),
+    new=(
+        "                    if not self.reuse_tensors:\n"
+        "                        self._load_local_tensors_into_averager_()\n"
+        "                    with torch.no_grad(), self.get_tensors() as averaged_tensors:\n"
+        "                        # inf and NaN propagate through a sum; finite float32/16 values cannot overflow a float64 sum\n"
+        "                        if not all(tensor.sum(dtype=torch.float64).isfinite() for tensor in averaged_tensors):\n"
+        "                            logger.warning(\"Local state contains inf or NaN: averaging zeros with weight 0 instead\")\n"
+        "                            nonfinite_tensors = [tensor.clone() for tensor in averaged_tensors]\n"
+        "                            for tensor in averaged_tensors:\n"
+        "                                tensor.zero_()\n"
+        "                            averaging_control.weight = 0\n"
+    ),
+)
+
+NONFINITE_STATE_RESTORE = Edit(
+    path="optim/state_averager.py",
+    old=(
+        "                        logger.log(self.status_loglevel, f\"Averaging failed with {type(e)}\")\n"
+        "                        gathered = {}\n"
+    ),
+    new=(
+        "                        logger.log(self.status_loglevel, f\"Averaging failed with {type(e)}\")\n"
+        "                        gathered = {}\n"
+        "                        if nonfinite_tensors is not None:  # keep the local state as it was, not zeros\n"
+        "                            with torch.no_grad(), self.get_tensors() as averaged_tensors:\n"
+        "                                for tensor, nonfinite_tensor in zip(averaged_tensors, nonfinite_tensors):\n"
+        "                                    tensor.copy_(nonfinite_tensor)\n"
     ),
 )
 
@@ -401,9 +474,33 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "it has loaded for averaging (one float64 sum per tensor, once per round); if any element is not "
                 "finite, it averages zeros with weight 0 and logs a warning. Every peer of the group, this one "
                 "included, then receives the average of the others. PowerSGD leaves its error-feedback residual as it "
-                "was in a round it joins with weight 0. Peers without this change average with it as before.",
-                (NONFINITE_GRADS_WEIGHT_ZERO, NONFINITE_GRADS_POWER_SGD_RESIDUAL),
+                "was in a round it joins with weight 0 (this one, a tag-along round, or step(weight=0)): it added the "
+                "peer's buffers into it and subtracted the group's result. Peers without this change average with it "
+                "as before.",
+                (
+                    NONFINITE_GRADS_WEIGHT_DOC,
+                    NONFINITE_GRADS_WEIGHT_ZERO,
+                    NONFINITE_GRADS_POWER_SGD_ADD,
+                    NONFINITE_GRADS_POWER_SGD_SUB,
+                ),
                 ("tests/test_grad_averager_nonfinite.py",),
+            ),
+        ),
+    ),
+    PullRequest(
+        "12-nonfinite-state-weight-zero",
+        (
+            Commit(
+                "TrainingStateAverager: average inf/NaN parameters as zeros with weight 0",
+                "A peer whose parameters or averaged optimizer statistics held inf or NaN sent them into the state "
+                "averaging all-reduce, and every peer of its group took NaN parameters from it: one diverged peer "
+                "ended training for its whole group. TrainingStateAverager now checks its averaged tensors before the "
+                "all-reduce (one float64 sum per tensor, once per round); if any element is not finite, it averages "
+                "zeros with weight 0 and logs a warning. Every peer of the group, this one included, then takes the "
+                "average of the others, so the diverged peer recovers too. If the round fails, the peer keeps its own "
+                "tensors, not the zeros. Peers without this change average with it as before.",
+                (NONFINITE_STATE_INIT, NONFINITE_STATE_WEIGHT_ZERO, NONFINITE_STATE_RESTORE),
+                ("tests/test_state_averager_nonfinite.py",),
             ),
         ),
     ),

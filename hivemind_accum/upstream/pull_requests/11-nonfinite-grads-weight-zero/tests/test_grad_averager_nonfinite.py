@@ -40,23 +40,25 @@ def test_nonfinite_grads_are_averaged_with_weight_zero(averager_factory, reuse_g
         models.append(model)
         averagers.append(averager)
 
-    # round 1: the first peer's gradients hold inf or NaN; round 2: both are finite
-    for round_grads in (bad_grad, good_grad), (good_grad, good_grad):
-        for model, averager, grad in zip(models, averagers, round_grads):
+    # the first peer's gradients, its weight (None: the default) and both peers' expected weights, round by round
+    rounds = [(bad_grad, None, [0, 4]), (3 * good_grad, 0, [0, 4]), (good_grad, None, [4, 4])]
+    for first_grad, first_weight, expected_weights in rounds:
+        for model, averager, grad in zip(models, averagers, (first_grad, good_grad)):
             model.weight.grad, model.bias.grad = grad.clone(), torch.ones(8)
             averager.accumulate_grads_(batch_size=4)
-        controls = [averager.schedule_step(get_dht_time() + 3) for averager in averagers]
-        for averager, control in zip(averagers, controls):
-            averager.step(control=control, wait=False)
+        controls = [averager.schedule_step(get_dht_time() + 5) for averager in averagers]
+        for averager, control, weight in zip(averagers, controls, (first_weight, None)):
+            averager.step(weight=weight, control=control, wait=False)
         for control in controls:
             control.result(timeout=30)
 
-        # the peer with inf/NaN sends zeros with weight 0: both peers get the other peer's gradients
-        assert [control.weight for control in controls] == [0 if round_grads[0] is bad_grad else 4, 4]
+        # a peer with weight 0 sent nothing: both peers get the other peer's gradients, in every round
         for averager in averagers:
             with averager.get_tensors() as (weight_grad, bias_grad):
                 assert torch.allclose(weight_grad, good_grad)
                 assert torch.allclose(bias_grad, torch.ones(8))
+            averager.notify_used_averaged_gradients()
+        assert [control.weight for control in controls] == expected_weights
 
     for averager in averagers:
         averager.shutdown()
