@@ -289,55 +289,6 @@ NONFINITE_GRADS_WEIGHT_DOC = Edit(
     ),
 )
 
-NONFINITE_STATE_INIT = Edit(
-    path="optim/state_averager.py",
-    old=(
-        "        start_time = time.perf_counter()\n"
-        "        began_running = False\n"
-    ),
-    new=(
-        "        start_time = time.perf_counter()\n"
-        "        began_running = False\n"
-        "        nonfinite_tensors = None\n"
-    ),
-)
-
-NONFINITE_STATE_WEIGHT_ZERO = Edit(
-    path="optim/state_averager.py",
-    old=(
-        "                    if not self.reuse_tensors:\n"
-        "                        self._load_local_tensors_into_averager_()\n"
-    ),
-    new=(
-        "                    if not self.reuse_tensors:\n"
-        "                        self._load_local_tensors_into_averager_()\n"
-        "                    with torch.no_grad(), self.get_tensors() as averaged_tensors:\n"
-        "                        # inf and NaN propagate through a sum; finite float32/16 values cannot overflow a float64 sum\n"
-        "                        if not all(tensor.sum(dtype=torch.float64).isfinite() for tensor in averaged_tensors):\n"
-        "                            logger.warning(\"Local state contains inf or NaN: averaging zeros with weight 0 instead\")\n"
-        "                            nonfinite_tensors = [tensor.clone() for tensor in averaged_tensors]\n"
-        "                            for tensor in averaged_tensors:\n"
-        "                                tensor.zero_()\n"
-        "                            averaging_control.weight = 0\n"
-    ),
-)
-
-NONFINITE_STATE_RESTORE = Edit(
-    path="optim/state_averager.py",
-    old=(
-        "                        logger.log(self.status_loglevel, f\"Averaging failed with {type(e)}\")\n"
-        "                        gathered = {}\n"
-    ),
-    new=(
-        "                        logger.log(self.status_loglevel, f\"Averaging failed with {type(e)}\")\n"
-        "                        gathered = {}\n"
-        "                        if nonfinite_tensors is not None:  # keep the local state as it was, not zeros\n"
-        "                            with torch.no_grad(), self.get_tensors() as averaged_tensors:\n"
-        "                                for tensor, nonfinite_tensor in zip(averaged_tensors, nonfinite_tensors):\n"
-        "                                    tensor.copy_(nonfinite_tensor)\n"
-    ),
-)
-
 PULL_REQUESTS: Sequence[PullRequest] = (
     PullRequest(
         "01-fused-accumulation",
@@ -484,23 +435,6 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                     NONFINITE_GRADS_POWER_SGD_SUB,
                 ),
                 ("tests/test_grad_averager_nonfinite.py",),
-            ),
-        ),
-    ),
-    PullRequest(
-        "12-nonfinite-state-weight-zero",
-        (
-            Commit(
-                "TrainingStateAverager: average inf/NaN parameters as zeros with weight 0",
-                "A peer whose parameters or averaged optimizer statistics held inf or NaN sent them into the state "
-                "averaging all-reduce, and every peer of its group took NaN parameters from it: one diverged peer "
-                "ended training for its whole group. TrainingStateAverager now checks its averaged tensors before the "
-                "all-reduce (one float64 sum per tensor, once per round); if any element is not finite, it averages "
-                "zeros with weight 0 and logs a warning. Every peer of the group, this one included, then takes the "
-                "average of the others, so the diverged peer recovers too. If the round fails, the peer keeps its own "
-                "tensors, not the zeros. Peers without this change average with it as before.",
-                (NONFINITE_STATE_INIT, NONFINITE_STATE_WEIGHT_ZERO, NONFINITE_STATE_RESTORE),
-                ("tests/test_state_averager_nonfinite.py",),
             ),
         ),
     ),
