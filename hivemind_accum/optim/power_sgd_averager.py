@@ -12,7 +12,6 @@ from hivemind.utils.asyncio import enter_asynchronously
 
 from hivemind_accum.optim.grad_averager import GradientAverager
 from hivemind_accum.optim.round_guard import all_finite
-from hivemind_accum.optim.torch_internals import foreach_copy_
 
 
 class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverager):
@@ -47,12 +46,12 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
         if kwargs.get("weight") != 0:
             return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         async with enter_asynchronously(self.get_tensors()):
-            error_feedback = [m.clone() for m in self._ms]
+            self.round_guard.snapshot_(self._ms)
         try:
             return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         finally:
             async with enter_asynchronously(self.get_tensors()):
-                foreach_copy_(self._ms, error_feedback)
+                self.round_guard.restore_(self._ms)
 
     @torch.no_grad()
     def load_accumulators_into_averager_(self):

@@ -117,8 +117,8 @@ class RoundGuard:
 
     @torch.no_grad()
     def snapshot_(self, tensors: Sequence[torch.Tensor]) -> None:
-        """keep a copy of ``tensors`` (this peer's own values) for :meth:`accept_`: one fused copy into buffers
-        allocated at the first call and reused"""
+        """keep a copy of ``tensors`` (this peer's own values) for :meth:`accept_` or :meth:`restore_`: one fused copy
+        into buffers allocated at the first call and reused (``tensors`` must keep their shapes from call to call)"""
         if self._snapshot is None:
             self._snapshot = [torch.empty_like(tensor, device="cpu") for tensor in tensors]
         foreach_copy_(self._snapshot, list(tensors))

@@ -504,7 +504,6 @@ all-reduce, and a peer downloading the state copied whatever it received.
         ),
         "power_sgd_averager": (
             "from hivemind_accum.optim.round_guard import all_finite",
-            "from hivemind_accum.optim.torch_internals import foreach_copy_",
             "PowerSGDGradientAverager._aggregate_with_group",
             "PowerSGDGradientAverager.load_accumulators_into_averager_",
             "PowerSGDGradientAverager.discard_nonfinite_round_",
