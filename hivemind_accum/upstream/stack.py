@@ -315,6 +315,16 @@ ACCUMULATORS_DTYPE_INIT = Edit(
     ),
 )
 
+POWER_SGD_FLOAT32_ERROR_FEEDBACK = Edit(
+    path="optim/power_sgd_averager.py",
+    old="        self._ms = [\n            torch.zeros_like(grad, device=\"cpu\").share_memory_()\n",
+    new=(
+        "        # error feedback in float32, as P and Q are, also for float16 or bfloat16 gradients\n"
+        "        self._ms = [\n"
+        "            torch.zeros_like(grad, device=\"cpu\", dtype=torch.float32).share_memory_()\n"
+    ),
+)
+
 PULL_REQUESTS: Sequence[PullRequest] = (
     PullRequest(
         "01-fused-accumulation",
@@ -482,6 +492,23 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "the device they are on (accumulate_grads_on).",
                 (ACCUMULATORS_DTYPE_DOC, ACCUMULATORS_DTYPE_INIT),
                 ("tests/test_grad_averager_accumulators_dtype.py",),
+            ),
+        ),
+    ),
+    PullRequest(
+        "13-power-sgd-half-precision",
+        (
+            Commit(
+                "PowerSGDGradientAverager: keep error feedback in float32, fixing float16/bfloat16 parameters",
+                "PowerSGDGradientAverager made its error-feedback buffers (_ms) like the gradients, in their dtype, "
+                "and its P and Q matrices in float32. With float16 or bfloat16 parameters every round failed in "
+                "torch.matmul(m, q, out=p) (#545: \"Expected out tensor to have dtype c10::BFloat16, but got float "
+                "instead\"), and the averager retried until its timeout. The error feedback is now float32 for "
+                "every gradient dtype, as P and Q are: the matmuls run in float32 and the result is rounded once, "
+                "where it is copied into the averaged gradients. Float32 gradients are unchanged. Nothing sent to "
+                "peers changes: P and Q were float32 already, and the uncompressed gradients keep their dtype.",
+                (POWER_SGD_FLOAT32_ERROR_FEEDBACK,),
+                ("tests/test_power_sgd_half_precision.py",),
             ),
         ),
     ),
