@@ -299,10 +299,10 @@ ACCUMULATORS_DTYPE_DOC = Edit(
     ),
     new=(
         "    :param averaged_grads_dtype: if specified, make the averaged gradients in this dtype instead of the parameters'\n"
-        "      dtypes (only if averaged_grads is not provided), and the local accumulators too (reuse_grad_buffers=False).\n"
-        "      E.g. torch.float32 for float16 or bfloat16 parameters: micro-steps are summed without rounding, and an\n"
-        "      offloaded optimizer's float32 parameters get the average unrounded. Peers average only with peers whose\n"
-        "      averaged gradients have the same dtypes\n"
+        "      dtypes (only if averaged_grads is not provided); the local accumulators (reuse_grad_buffers=False) take the\n"
+        "      wider of this dtype and the gradients'. E.g. torch.float32 for float16 or bfloat16 parameters: micro-steps\n"
+        "      are summed in float32, and an offloaded optimizer's float32 parameters get the average unrounded. Peers\n"
+        "      average only with peers whose averaged gradients have the same dtypes\n"
     ),
 )
 
@@ -310,7 +310,11 @@ ACCUMULATORS_DTYPE_INIT = Edit(
     path="optim/grad_averager.py",
     old="                torch.zeros_like(grad, device=accumulate_grads_on) for grad in self._grads_from_parameters()\n",
     new=(
-        "                torch.zeros_like(grad, device=accumulate_grads_on, dtype=averaged_grads_dtype or grad.dtype)\n"
+        "                torch.zeros_like(\n"
+        "                    grad,\n"
+        "                    device=accumulate_grads_on,\n"
+        "                    dtype=torch.promote_types(grad.dtype, averaged_grads_dtype or grad.dtype),\n"
+        "                )\n"
         "                for grad in self._grads_from_parameters()\n"
     ),
 )
@@ -517,9 +521,10 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "parameters every addition rounds the running sum: a micro-step's gradient smaller than half the "
                 "sum's spacing is lost (2048 + 1 is 2048 in float16; 256 + 1 is 256 in bfloat16), so four "
                 "micro-steps of 2048, 1, 1 and 2 average to 512.5 in float16 instead of 513, and 256, 1, 1, 2 to "
-                "64.5 in bfloat16 instead of 65. averaged_grads_dtype (for the averaged gradients) now makes the "
-                "accumulators in that dtype too, so with torch.float32 the micro-steps are summed in float32 and the "
-                "average is rounded at most once, where it is copied into a low-precision .grad. The default, None, "
+                "64.5 in bfloat16 instead of 65. The accumulators now take the wider of averaged_grads_dtype (the "
+                "averaged gradients' dtype) and the gradients' dtype, so with torch.float32 the micro-steps are "
+                "summed in float32 and the average is rounded at most once, where it is copied into a low-precision "
+                ".grad. A narrower averaged_grads_dtype never narrows the accumulators. The default, None, "
                 "keeps the parameters' dtypes. Nothing sent to peers changes: the averaged tensors are those "
                 "averaged_grads_dtype already chose. Float32 accumulators take twice the memory of float16 ones, on "
                 "the device they are on (accumulate_grads_on).",

@@ -8,29 +8,40 @@ from hivemind import DHT
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.optimizer import Optimizer
 
-# the first gradient is large enough that adding 1 to it rounds away in the parameters' dtype:
+# the first gradient is large enough that adding 1 to it rounds away in a half-precision sum:
 # float16 holds 2048 + 1 as 2048 (spacing 2), bfloat16 holds 256 + 1 as 256 (spacing 2)
 MICRO_STEP_GRADIENTS = {torch.float16: (2048.0, 1.0, 1.0, 2.0), torch.bfloat16: (256.0, 1.0, 1.0, 2.0)}
 
 
 @pytest.mark.forked
-@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
-def test_accumulators_in_averaged_grads_dtype(param_dtype):
+@pytest.mark.parametrize(
+    "param_dtype, averaged_grads_dtype, gradients",
+    [
+        (torch.float16, torch.float32, MICRO_STEP_GRADIENTS[torch.float16]),
+        (torch.bfloat16, torch.float32, MICRO_STEP_GRADIENTS[torch.bfloat16]),
+        # a narrower averaged_grads_dtype does not narrow the accumulators
+        (torch.float32, torch.float16, MICRO_STEP_GRADIENTS[torch.float16]),
+        (torch.float16, torch.bfloat16, MICRO_STEP_GRADIENTS[torch.bfloat16]),
+    ],
+)
+def test_accumulators_in_averaged_grads_dtype(param_dtype, averaged_grads_dtype, gradients):
     dht = DHT(start=True)
     model = nn.ParameterDict({"w": nn.Parameter(torch.zeros(4, dtype=param_dtype))})
-    averager = GradientAverager(
-        model.parameters(), dht=dht, prefix="test", averaged_grads_dtype=torch.float32, start=False
-    )
-    gradients = MICRO_STEP_GRADIENTS[param_dtype]
-    for grad in gradients:
-        model.w.grad = torch.full_like(model.w, grad)
-        averager.accumulate_grads_(batch_size=1)
-    averager.load_accumulators_into_averager_()
+    try:
+        averager = GradientAverager(
+            model.parameters(), dht=dht, prefix="test", averaged_grads_dtype=averaged_grads_dtype, start=False
+        )
+        for grad in gradients:
+            model.w.grad = torch.full_like(model.w, grad)
+            averager.accumulate_grads_(batch_size=1)
+        averager.load_accumulators_into_averager_()
 
-    # float16 accumulators give (2048 + 0 + 0 + 2) / 4 = 512.5, bfloat16 ones (256 + 0 + 0 + 2) / 4 = 64.5
-    with averager.get_tensors() as (averaged_grad,):
-        assert torch.equal(averaged_grad, torch.full((4,), sum(gradients) / len(gradients)))
-    dht.shutdown()
+        # float16 accumulators give (2048 + 0 + 0 + 2) / 4 = 512.5, bfloat16 ones (256 + 0 + 0 + 2) / 4 = 64.5
+        with averager.get_tensors() as (averaged_grad,):
+            expected = torch.full((4,), sum(gradients) / len(gradients), dtype=averaged_grads_dtype)
+            assert torch.equal(averaged_grad, expected)
+    finally:
+        dht.shutdown()
 
 
 @pytest.mark.forked
