@@ -12,35 +12,49 @@ from hivemind.utils import get_dht_time
 def test_power_sgd_half_precision(dtype: torch.dtype):
     dht1 = DHT(start=True)
     dht2 = DHT(start=True, initial_peers=dht1.get_visible_maddrs())
-    # a rank-1 gradient, which PowerSGD of rank 1 compresses without error
-    grad = torch.outer(torch.arange(1.0, 9.0), torch.tensor([1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 4.0, -4.0]))
+    # two rounds of full-rank integer gradients (exact in float16 and bfloat16) for two peers:
+    # rank 1 leaves a residual in the error feedback after the first round, which the second round uses
+    generator = torch.Generator().manual_seed(0)
+    rounds = [[torch.randint(-8, 9, (8, 8), generator=generator).float() for _peer in range(2)] for _round in range(2)]
 
-    averagers = []
+    # the same two peers in the given dtype and in float32 (the reference), with the same random Q
+    models, averagers = {}, {}
     try:
-        for dht, scale in (dht1, 1.0), (dht2, 3.0):
-            model = nn.Linear(8, 8).to(dtype)
-            model.weight.grad = (scale * grad).to(dtype)
-            model.bias.grad = torch.full((8,), scale, dtype=dtype)  # a vector: averaged without compression
-            averager = PowerSGDGradientAverager(
-                model.parameters(), averager_rank=1, dht=dht, prefix="test", target_group_size=2, start=True
-            )
-            averager.accumulate_grads_(batch_size=1)
-            averagers.append(averager)
+        for run_dtype in dtype, torch.float32:
+            for peer, dht in enumerate((dht1, dht2)):
+                models[run_dtype, peer] = nn.Linear(8, 8).to(run_dtype)
+                torch.manual_seed(peer)
+                averagers[run_dtype, peer] = PowerSGDGradientAverager(
+                    models[run_dtype, peer].parameters(),
+                    averager_rank=1,
+                    dht=dht,
+                    prefix=f"test_{str(run_dtype)[len('torch.') :]}",
+                    target_group_size=2,
+                    start=True,
+                )
 
-        controls = [averager.schedule_step(get_dht_time() + 5) for averager in averagers]
-        for averager, control in zip(averagers, controls):
-            averager.step(control=control, wait=False)
-        for control in controls:
-            control.result(timeout=30)
+        for round_grads in rounds:
+            for (run_dtype, peer), model in models.items():
+                model.weight.grad = round_grads[peer].to(run_dtype)
+                model.bias.grad = torch.full((8,), float(peer), dtype=run_dtype)  # a vector: averaged uncompressed
+                averagers[run_dtype, peer].accumulate_grads_(batch_size=1)
+            controls = [averager.schedule_step(get_dht_time() + 5) for averager in averagers.values()]
+            for averager, control in zip(averagers.values(), controls):
+                averager.step(control=control, wait=False)
+            for control in controls:
+                control.result(timeout=30)
 
-        # the mean gradient, 2 * grad, holds integers up to 64, exact in float16 and bfloat16
-        for averager in averagers:
-            with averager.get_tensors() as (weight_grad, bias_grad):
-                assert weight_grad.dtype == bias_grad.dtype == dtype
-                assert torch.equal(weight_grad, (2 * grad).to(dtype))
-                assert torch.equal(bias_grad, torch.full((8,), 2.0, dtype=dtype))
+            # with float32 error feedback, the averages are those of float32 parameters, rounded once to dtype
+            for peer in range(2):
+                with (
+                    averagers[dtype, peer].get_tensors() as grads,
+                    averagers[torch.float32, peer].get_tensors() as ref,
+                ):
+                    for grad, reference in zip(grads, ref):
+                        assert grad.dtype == dtype
+                        assert torch.equal(grad, reference.to(dtype))
     finally:
-        for averager in averagers:
+        for averager in averagers.values():
             averager.shutdown()
         dht1.shutdown()
         dht2.shutdown()
