@@ -25,9 +25,9 @@ def test_optimizer_skips_step_with_nonfinite_grads(
     reuse_grad_buffers: bool, offload_optimizer: bool, delay_optimizer_step: bool, use_local_updates: bool
 ):
     dht = DHT(start=True)
-    model = nn.ParameterDict({"w": nn.Parameter(torch.zeros(4))})
+    params = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4))]
     opt = Optimizer(
-        params=model.parameters(),
+        params=params,
         optimizer=partial(torch.optim.SGD, lr=1.0),
         run_id="test_run",
         target_batch_size=1,
@@ -40,16 +40,21 @@ def test_optimizer_skips_step_with_nonfinite_grads(
         use_local_updates=use_local_updates,
     )
     try:
-        # one micro-step per epoch: first with one NaN element in the gradients, then with finite gradients
-        for epoch, grad, expected in (1, [1.0, float("nan"), 1.0, 1.0], 0.0), (2, [0.25] * 4, -0.25):
-            if model.w.grad is None or not reuse_grad_buffers:
-                model.w.grad = torch.zeros_like(model.w)
-            model.w.grad.add_(torch.tensor(grad))
+        # one micro-step per epoch: first with one NaN element in the first parameter's gradient, then finite
+        for epoch, first_grad, second_grad, expected in (
+            (1, [1.0, float("nan"), 1.0, 1.0], [1.0] * 4, 0.0),
+            (2, [0.25] * 4, [0.25] * 4, -0.25),
+        ):
+            for param, grad in zip(params, (first_grad, second_grad)):
+                if param.grad is None or not reuse_grad_buffers:
+                    param.grad = torch.zeros_like(param)
+                param.grad.add_(torch.tensor(grad))
             opt.step()
             opt.state_averager.step(wait_for_delayed_updates=True)  # apply a delayed optimizer step, if any
             assert use_local_updates or opt.local_epoch == epoch
             # the step with NaN gradients was skipped; the next one ran as usual
-            assert torch.equal(model.w, torch.full((4,), expected))
+            for param in params:
+                assert torch.equal(param, torch.full((4,), expected))
     finally:
         opt.shutdown()
         dht.shutdown()
