@@ -562,8 +562,9 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "was given. When they held inf or NaN (a peer whose gradient averaging round found no peers and "
                 "fell back to its own diverged gradients, a group in which one member sent NaN, or "
                 "use_local_updates=True), the step wrote NaN into the parameters and optimizer statistics, and "
-                "the next state averaging round sent them to every peer of its group. The step now checks the optimizer's gradients first (one "
-                "float64 sum per tensor, one host read per device) and skips the step with a warning if any "
+                "the next state averaging round sent them to every peer of its group. The step now checks the "
+                "optimizer's gradients first (one float64 sum per tensor, float32 on MPS, one host read per "
+                "device) and skips the step with a warning if any "
                 "element is not finite. The epoch still advances. Steps with a grad scaler are unchanged: "
                 "hivemind.GradScaler skips the steps whose local gradients overflowed.",
                 (NONFINITE_STEP_SKIP, NONFINITE_STEP_CHECK),

@@ -28,7 +28,7 @@ def test_power_sgd_half_precision(dtype: torch.dtype):
                     models[run_dtype, peer].parameters(),
                     averager_rank=1,
                     dht=dht,
-                    prefix=f"test_{str(run_dtype)[len('torch.') :]}",
+                    prefix="reference" if run_dtype == torch.float32 else "test",
                     target_group_size=2,
                     start=True,
                 )
