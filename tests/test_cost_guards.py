@@ -3,10 +3,11 @@ Deterministic cost guards for the no-sync step, counted with ``torch.profiler`` 
 a number of operators that does not grow with the number of parameter tensors, the in-place mode launches none,
 and neither allocates memory. Top-level operators are the aten operators the call dispatches itself, counted with a
 dispatch mode (:class:`DispatchedOps`): a fused ``_foreach_add_`` over P tensors is one, whatever it runs inside. The
-profiler counts bytes and device kernels; its own parent links come from microsecond timestamps, and torch 2.3's lose
-the parent of an op that starts in the microsecond its parent ends (a stray ``aten::zero_`` beside ``aten::zeros``). With CUDA the same guards also
-run on a CUDA model, where device kernels are counted too: a fused op launches as many multi-tensor kernels as PyTorch's
-multi_tensor_apply packs its tensors into (:mod:`benchmarks.kernel_launches`), upstream's loop one or more per tensor.
+profiler counts device kernels, and bytes from its raw allocation records (:func:`allocated_bytes`): it ties records
+and ops together by microsecond timestamps, so its per-op sums can count one allocation twice. With CUDA the same
+guards also run on a CUDA model, where device kernels are counted too: a fused op launches as many multi-tensor kernels
+as PyTorch's multi_tensor_apply packs its tensors into (:mod:`benchmarks.kernel_launches`), upstream's loop one or more
+per tensor.
 """
 from typing import NamedTuple
 
@@ -62,17 +63,18 @@ def no_sync_step_cost(averager, model, batch_size: int = 2) -> StepCost:
     events = [e for e in prof.events() if e.name != "cudaDeviceSynchronize"]
     return StepCost(
         top_level_ops=len(dispatched.ops),
-        allocated_bytes=sum(max(e.self_cpu_memory_usage, 0) + max(self_device_memory_usage(e), 0) for e in events),
+        allocated_bytes=allocated_bytes(prof),
         device_to_host_copies=sum(1 for e in events if "DtoH" in e.name or "Memcpy DtoH" in e.name),
         kernels=sum(1 for e in events if e.device_type != torch.autograd.DeviceType.CPU),
     )
 
 
-def self_device_memory_usage(event) -> int:
-    """bytes the event allocated on the device, minus those it freed: ``FunctionEvent.self_device_memory_usage``
-    (torch 2.4 and later), ``self_cuda_memory_usage`` before (torch 2.3)"""
-    value = getattr(event, "self_device_memory_usage", None)
-    return event.self_cuda_memory_usage if value is None else value
+def allocated_bytes(prof: profile) -> int:
+    """bytes allocated while ``prof`` recorded, on the host and devices: the sum of its allocation records. Read from
+    the raw records: the per-op sums go by microsecond timestamps and count an allocation made in the microsecond one
+    op ends and the next begins in both"""
+    records = prof.profiler.kineto_results.events()
+    return sum(record.nbytes() for record in records if record.name() == "[memory]" and record.nbytes() > 0)
 
 
 def make_model(num_layers: int, width: int = 8, device: str = "cpu") -> torch.nn.Sequential:
@@ -183,10 +185,9 @@ def loss_scaled_add_cost(num_layers: int) -> dict:
     for call in ("first", "second"):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, DispatchedOps() as dispatched:
             buckets.add_finite_(grads, inv_scale)
-        events = prof.events()
         costs[call] = StepCost(
             top_level_ops=len(dispatched.ops),
-            allocated_bytes=sum(max(e.self_cpu_memory_usage, 0) for e in events),
+            allocated_bytes=allocated_bytes(prof),
             device_to_host_copies=0,
         )
     return costs
@@ -247,8 +248,7 @@ def test_loss_scaled_micro_step_of_the_averager_allocates_nothing_after_the_firs
             (model(torch.randn(2, 8)).square().mean() * 1024).backward()
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, DispatchedOps() as ops:
                 averager.accumulate_grads_(2, inv_grad_scale=inv_scale)
-            allocated = sum(max(e.self_cpu_memory_usage, 0) for e in prof.events())
-            costs[2 * num_layers].append(StepCost(len(ops.ops), allocated, device_to_host_copies=0))
+            costs[2 * num_layers].append(StepCost(len(ops.ops), allocated_bytes(prof), device_to_host_copies=0))
     for tensors, steps in costs.items():
         assert steps[1].allocated_bytes == steps[2].allocated_bytes == 0, costs
     # add_finite_'s (see FUSED_ADD_COSTS), then the drop counters': add_ (samples), add_ (micro-steps), logical_not,
