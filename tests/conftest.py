@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 # Skip conditions on CUDA, evaluated when a test sets up (for a @pytest.mark.forked test: in its own process), never
 # at import. A CUDA call in the pytest process, torch.cuda.is_available() included, poisons fork: every later forked
@@ -22,6 +23,20 @@ from torch import nn  # noqa: E402
 # on forked tests only, in modules that import torch (the condition is evaluated in the test module's namespace).
 NEEDS_CUDA = pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
+
+
+class DispatchedOps(TorchDispatchMode):
+    """records the aten operators dispatched while it is active, not those they call: ``ops`` (names such as
+    ``"aten._foreach_add_.List"``). Unlike the profiler's parent links, which go by microsecond timestamps on torch 2.3,
+    it never takes a nested op for a top-level one"""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager

@@ -15,28 +15,15 @@ import pytest
 import torch
 from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAverager
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.kernel_launches import multi_tensor_launches
 import hivemind_accum
 from hivemind_accum import GradientAverager
 from hivemind_accum.optim import grad_buckets, torch_internals
 from hivemind_accum.optim.grad_buckets import GradientBuckets
-from tests.conftest import DEVICES, NEEDS_CUDA, SINGLE_PEER_TRACKER
+from tests.conftest import DEVICES, NEEDS_CUDA, SINGLE_PEER_TRACKER, DispatchedOps
 from tests.test_mixed_precision import force_loss_scaling_path
 
-
-
-class DispatchedOps(TorchDispatchMode):
-    """records the aten operators dispatched while it is active, not those they call: ``ops`` (names)"""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 class StepCost(NamedTuple):
