@@ -127,10 +127,11 @@ class GradientAverager(upstream.GradientAverager):
         self._first_unset = torch.zeros_like(self._first_kept_batch_size)  # scratch: whether no micro-step was kept
         self._may_have_dropped = False
         self._anchor_correction = 1.0
-        self._local_accumulators = self._accumulators.views  # the name hivemind's other classes read
-        self._grad_views = GradViews(self._accumulators, self.parameters) if reuse_grad_buffers else None
+        self._grad_views = None
         if reuse_grad_buffers:
-            self._attach_grads_()
+            self._grad_views = GradViews(self._accumulators, self.parameters, on_rebuild=self._use_accumulators_)
+            self._grad_views.attach_(micro_step=False)  # a .grad the model already holds is added in
+        self._local_accumulators = self._accumulator_views()  # the name hivemind's other classes read
 
         if averaged_grads:
             self._averaged_buckets = None
@@ -184,12 +185,16 @@ class GradientAverager(upstream.GradientAverager):
     @torch.no_grad()
     def _grad_accumulators(self) -> Iterator[torch.Tensor]:
         """per-parameter views of the accumulators (in in-place mode, the same tensors as ``param.grad``)"""
-        yield from self._accumulators.views
+        yield from self._accumulator_views()
 
-    def _attach_grads_(self) -> None:
-        """in-place mode: add every ``.grad`` that is not its accumulator view into the view, then re-attach the view
-        (see :class:`~hivemind_accum.optim.grad_views.GradViews`)"""
-        self._grad_views.attach_()
+    def _accumulator_views(self) -> Sequence[torch.Tensor]:
+        return self._grad_views.aliases if self._grad_views is not None else self._accumulators.views
+
+    def _use_accumulators_(self, accumulators: GradientBuckets) -> None:
+        """in-place mode: the accumulators were built anew (the parameters changed dtype or device)"""
+        self._accumulators = accumulators
+        self._local_accumulators = self._accumulator_views()
+        self.local_fallback.use_accumulators_(accumulators)
 
     @torch.no_grad()
     def accumulate_grads_(
@@ -246,7 +251,7 @@ class GradientAverager(upstream.GradientAverager):
                     stacklevel=2,
                 )
                 self._warned_unequal_batches = True
-            self._attach_grads_()
+            self._grad_views.attach_()
             return None
         grads, alpha = list(map(_GRAD, self.parameters)), batch_size / self._anchor_batch_size
         if inv_grad_scale is None:
@@ -371,7 +376,7 @@ class GradientAverager(upstream.GradientAverager):
         if self.local_fallback.holding:  # a round began since the last micro-step: there is nothing new to load
             self.local_fallback.release_()
         if self.reuse_grad_buffers:
-            self._attach_grads_()
+            self._grad_views.attach_(micro_step=False, rebuild=True)
         self._settle_dropped_micro_steps()
         times = self.local_times_accumulated
         grad_scale = (self._anchor_correction / times) if times != 0 else 0.0
@@ -403,8 +408,11 @@ class GradientAverager(upstream.GradientAverager):
         averager keeps no state across rounds (see :class:`PowerSGDGradientAverager`, which does)"""
 
     def _averaged_target(self, averaged_grads: Sequence[torch.Tensor]):
-        """the averager's buffers as a copy destination: flat buckets when this averager made them, else the list"""
-        return self._averaged_buckets if self._averaged_buckets is not None else averaged_grads
+        """the averager's buffers as a copy destination: flat buckets when this averager made them and they pair with
+        the accumulators (the same grouping), else the list"""
+        if self._averaged_buckets is not None and self._accumulators.pairs_with(self._averaged_buckets):
+            return self._averaged_buckets
+        return averaged_grads
 
 
 def _cancel_signals_first() -> bool:

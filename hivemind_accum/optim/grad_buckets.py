@@ -9,12 +9,11 @@ float32 buffers.
 The layout follows PyTorch DDP's ``gradient_as_bucket_view=True`` (gradients as views of a communication
 bucket) and its ``batched_grad_copy`` (one ``_foreach`` op per bucket instead of a per-parameter loop).
 """
-import contextlib
 import math
 import operator
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -200,12 +199,10 @@ class GradientBuckets:
                 views[i] = view
         self.views: Tuple[torch.Tensor, ...] = tuple(views)
         self._single = len(self.buckets) == 1  # then its indices are 0, 1, ...: sources need no regrouping
-        # called as ``write_observer(zeroes=...)`` around each write this class makes into the buffers, if set: a
-        # context manager, for a watcher of the buffers' version counters that tells these writes from others'
-        self.write_observer: Optional[Callable[..., ContextManager]] = None
 
-    def _reported_write(self, zeroes: bool = False) -> ContextManager:
-        return self.write_observer(zeroes=zeroes) if self.write_observer is not None else contextlib.nullcontext()
+    def pairs_with(self, other: "GradientBuckets") -> bool:
+        """whether ``other`` groups the same tensors into buckets in the same order (bucket-to-bucket copies apply)"""
+        return [bucket.indices for bucket in self.buckets] == [bucket.indices for bucket in other.buckets]
 
     @torch.no_grad()
     def add_(self, sources: Sequence[Optional[torch.Tensor]], alpha: float = 1.0) -> None:
@@ -218,10 +215,6 @@ class GradientBuckets:
           bucket's source device; None entries contribute nothing. Sparse sources are added densely.
         :param alpha: scalar weight applied to every source
         """
-        with self._reported_write():
-            self._add(sources, alpha)
-
-    def _add(self, sources: Sequence[Optional[torch.Tensor]], alpha: float) -> None:
         for bucket in self.buckets:
             grads = sources if self._single else [sources[i] for i in bucket.indices]
             if not any(map(operator.is_, grads, repeat(None))):
@@ -268,9 +261,8 @@ class GradientBuckets:
     @torch.no_grad()
     def zero_(self) -> None:
         """set every buffer to zero: one ``zero_`` per bucket"""
-        with self._reported_write(zeroes=True):
-            for bucket in self.buckets:
-                bucket.flat.zero_()
+        for bucket in self.buckets:
+            bucket.flat.zero_()
 
     @torch.no_grad()
     def scaled_copy_to_(self, destination: Union["GradientBuckets", Sequence[torch.Tensor]], scale: float) -> None:

@@ -1,200 +1,291 @@
 """
-In-place mode's ``.grad``: a view of the accumulator, so that autograd accumulates into it.
+In-place mode's ``.grad``: per-parameter aliases of the accumulators, so that autograd accumulates into them, with no
+Python call in backward.
 
-Autograd adds a micro-step's gradient into an existing ``.grad`` in place, except with ``backward(create_graph=True)``,
-where it replaces ``.grad`` by ``.grad + gradient``. A hook that runs before autograd adds sees which of the two will
-happen: under ``create_graph`` it detaches the view, so ``.grad`` becomes the micro-step's gradient alone and
-:meth:`GradViews.attach_` adds it once. The same hook records which views autograd wrote in place, so that a ``.grad``
-replaced after that (``p.grad = f(p.grad)``, a tensor computed from the running sum) is told apart from one replaced
-after ``zero_grad`` (the view was not written since) and refused instead of counted twice.
+Each ``param.grad`` is an alias of its slice of a flat accumulator (``Tensor.set_`` on the bucket's storage). Autograd
+adds each micro-step's gradient into it in place, as native accumulation adds into ``.grad``. Unlike a view, an alias
+has a version counter of its own, which autograd's add and any in-place edit move by one. :meth:`GradViews.attach_`
+runs at every ``step()`` and reads, on the host, what happened since the previous call:
 
-An in-place edit of a view between micro-steps (``clip_grad_norm_``, ``p.grad.mul_(c)``) would apply to the running
-sum, not to the micro-batch's gradient. The views of a bucket share its flat buffer's version counter, which an
-in-place write moves by one per tensor written. The same hook counts autograd's own writes; writes made through
-:class:`GradientBuckets` (zeroing, adding) are reported and taken off, so whatever moved a bucket's counter beyond
-that, while the bucket held earlier micro-steps' gradients, was an edit: :meth:`GradViews.attach_` refuses it, with
-one integer comparison per bucket. The fused unscale kernel of the grad scalers moves no version counter: neither
-``hivemind.GradScaler``'s once-per-round unscale nor a plain ``torch.amp.GradScaler.unscale_`` is seen here.
+- identity: a ``.grad`` that is not its alias was set to None (``zero_grad``) and maybe refilled by backward, or
+  replaced. A fresh gradient is added into the alias; the alias is attached again.
+- version counters: a ``.grad`` replaced after its alias was written (``p.grad = f(p.grad)``, or ``zero_grad`` after
+  backward) is refused. Adding it would count the running sum twice, or keep a micro-batch the caller dropped.
+- ``backward(create_graph=True)`` makes autograd replace ``.grad`` by ``alias + gradient`` out of place (an
+  ``AddBackward0`` tensor): it is copied into the alias, so each micro-step counts once.
+- storage: an alias moved out of its accumulator (``model.half()``, ``model.to(device)``, ``p.grad.data = ...``) holds
+  the running sum. At the next step that adds into the accumulators, load or reset, the accumulators are built anew
+  from the parameters as they are and the sums copied in.
+
+An in-place edit of the running sum (``clip_grad_norm_``, ``p.grad.mul_(c)``) cannot be told from autograd's own add
+without a hook in backward: two backward passes, and one backward pass followed by ``clip_grad_norm_``, leave the same
+state. So hooks are registered for one backward pass per epoch, the first that adds into a running sum (after the
+first step following a reset). They count autograd's adds; the next ``step()`` removes them and refuses any write
+beyond. Once a hook sees ``create_graph=True``, the hooks stay, so that ``.grad`` is each micro-step's own gradient.
 """
 import contextlib
 import operator
 import weakref
-from typing import Iterator, List, Sequence, Set
+from typing import Callable, Iterator, List, Optional, Sequence, Set
 
 import torch
 
 from hivemind_accum.optim.grad_buckets import GradientBuckets
 
-_get_grad = operator.attrgetter("grad")
+_GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")
 
 
 class GradViews:
     """
-    Keeps every ``param.grad`` a view of ``accumulators`` and adds whatever replaced a view into it.
+    Keeps every ``param.grad`` an alias of ``accumulators`` and adds whatever replaced an alias into it.
 
     :param accumulators: the averager's accumulators, built from ``parameters`` in their dtypes
-    :param parameters: the averager's parameters; each one that requires grad gets a hook run before autograd adds
-      into its ``.grad``
+    :param parameters: the averager's parameters
+    :param on_rebuild: called with the new accumulators when they are built anew (the parameters' dtype or device
+      changed, or a ``.grad``'s storage left them)
     """
 
-    def __init__(self, accumulators: GradientBuckets, parameters: Sequence[torch.Tensor]):
-        self.accumulators = accumulators
+    def __init__(self, accumulators: GradientBuckets, parameters: Sequence[torch.Tensor],
+                 on_rebuild: Optional[Callable[[GradientBuckets], None]] = None):
         self.parameters = tuple(parameters)
-        self.views = accumulators.views
-        self._written: Set[int] = set()  # parameters whose view autograd added into since the last attach_
-        self._dropped: Set[int] = set()  # of those, parameters whose .grad was set to None before the next attach_
-        self._buckets = accumulators.buckets
-        self._bucket_of = [0] * len(self.parameters)
-        for k, bucket in enumerate(self._buckets):
-            for i in bucket.indices:
-                self._bucket_of[i] = k
-        # per bucket: its version counter when last accounted for, autograd's in-place writes since (counted by the
-        # hook), whether it holds gradients of earlier micro-steps, and whether an edit was seen before a reported write
-        self._baseline: List[int] = [bucket.flat._version for bucket in self._buckets]
-        self._autograd_writes: List[int] = [0] * len(self._buckets)
-        self._holds_sum: List[bool] = [False] * len(self._buckets)
-        self._edited: List[int] = [0] * len(self._buckets)
-        accumulators.write_observer = self.own_write
-        owner = weakref.ref(self)  # the hooks outlive an averager that is shut down: they then do nothing
-        self._hooks = [
-            param.register_hook(_BeforeAutogradAdds(owner, index))
-            for index, param in enumerate(self.parameters)
-            if param.requires_grad
-        ]
+        self._on_rebuild = on_rebuild
+        self._use_(accumulators)
+        self._hooks: List[torch.utils.hooks.RemovableHandle] = []
+        self._hook_writes: List[int] = []  # per parameter: autograd's adds into its alias seen by the hooks
+        self._holds: List[bool] = []  # per parameter: whether its alias held a sum when the hooks were registered
+        self._arm_next = True  # register the hooks at the next micro-step's attach_ (the first of an epoch)
+        self._create_graph = False  # a hook saw backward(create_graph=True): keep the hooks
+        self._edited: List[int] = []  # parameters whose running sum the hooks saw edited, until the reset
 
-    def attach_(self) -> None:
-        """
-        Add every ``.grad`` that is not its view into the view, then attach the view again. While all views are
-        attached this only compares object identities, no tensor work.
+    @property
+    def views(self) -> Sequence[torch.Tensor]:
+        """each parameter's alias: what its ``.grad`` is while attached"""
+        return self.aliases
 
-        :raises ValueError: naming the parameter, if its ``.grad`` was replaced after autograd had added into its view
-          (``p.grad = f(p.grad)``): adding it would count the running sum twice; naming the parameter, if its
-          ``.grad`` was set to None (``zero_grad``) after autograd had added into its view: that micro-batch cannot be
-          dropped; naming the bucket, if a view holding earlier micro-steps' gradients was edited in place since the
-          last call (``clip_grad_norm_``, ``mul_``)
+    def _use_(self, accumulators: GradientBuckets) -> None:
+        self.accumulators = accumulators
+        self.aliases = tuple(map(_alias, accumulators.views))
+        self._pointers = list(map(torch.Tensor.data_ptr, self.aliases))
+        self._versions = list(map(_VERSION, self.aliases))  # at the last attach_, plus the package's own writes
+        self._reset_versions = list(self._versions)
+        self._added: Set[int] = set()  # parameters whose alias a fresh gradient was added into since the reset
+
+    def attach_(self, micro_step: bool = True, rebuild: bool = False) -> None:
         """
-        self._check_edits()
-        if all(map(operator.is_, map(_get_grad, self.parameters), self.views)):
-            self._written.clear()
-            self._account_()
-            return  # O(parameters) identity checks in C, about 0.1 us per parameter
-        written, self._written = self._written, set()
-        detached = [i for i, (param, view) in enumerate(zip(self.parameters, self.views)) if param.grad is not view]
-        dropped, self._dropped = self._dropped, set()
-        dropped.update(i for i in detached if i in written and self.parameters[i].grad is None)
+        Add every ``.grad`` that is not its alias into the alias, then attach the alias again. While all aliases are
+        attached this compares identities and reads version counters, no tensor work.
+
+        :param micro_step: whether a micro-step ends here (the first after a reset registers the hooks)
+        :param rebuild: also build the accumulators anew if an alias or a parameter moved (a load does)
+        :raises ValueError: naming the parameter, if its ``.grad`` was replaced after its alias was written
+          (``p.grad = f(p.grad)``: adding it would count the running sum twice), or set to None after backward()
+          added into its alias (that micro-batch cannot be dropped); if the hooks registered for this backward saw an
+          in-place edit of a running sum (``clip_grad_norm_``, ``mul_``)
+        """
+        grads = list(map(_GRAD, self.parameters))
+        versions = list(map(_VERSION, self.aliases))
+        if self._hooks:
+            self._check_edits(versions)
+        self._refuse_edits()
+        if all(map(operator.is_, grads, self.aliases)):
+            if rebuild and self._moved():
+                self._rebuild_()
+                versions = list(map(_VERSION, self.aliases))
+            self._versions = versions
+        else:
+            self._attach_detached_(grads, versions)
+        if micro_step and self._arm_next:
+            self._arm_()
+
+    def _attach_detached_(self, grads: List[Optional[torch.Tensor]], versions: List[int]) -> None:
+        detached = [i for i, (grad, alias) in enumerate(zip(grads, self.aliases)) if grad is not alias]
+        written = {i for i in detached if versions[i] != self._versions[i]}
+        summed = [i for i in detached if grads[i] is not None and _adds_to_alias(grads[i])]  # create_graph
+        dropped = [i for i in detached if i in written and grads[i] is None]
         if dropped:
             raise ValueError(self._dropped_message(dropped))
-        from_sum = [i for i in detached if i in written and self.parameters[i].grad is not None]
+        from_sum = [i for i in detached if i in written and grads[i] is not None and i not in summed]
         if from_sum:
             raise ValueError(
-                f"parameters[{from_sum[0]}] (shape {tuple(self.parameters[from_sum[0]].shape)}"
-                f"{f' and {len(from_sum) - 1} more' if len(from_sum) > 1 else ''}): its .grad was replaced after "
-                f"backward() had accumulated into it (p.grad = f(p.grad)?). With reuse_grad_buffers=True .grad is a "
-                f"view of the running sum, so the new tensor would count that sum twice. Use "
-                f"reuse_grad_buffers=False (exact mode), where .grad is yours to edit"
+                f"{_names(self.parameters, from_sum)}: its .grad was replaced after backward() had added into it: by "
+                f"p.grad = f(p.grad), or by zero_grad() after backward() and before step(). With "
+                f"reuse_grad_buffers=True .grad is a view of the running sum: a tensor computed from it would count "
+                f"that sum twice, and zero_grad() cannot drop a micro-batch already added. Call step() before "
+                f"zero_grad(), or use reuse_grad_buffers=False (exact mode), where .grad is yours to edit"
             )
-        sources = [None] * len(self.views)
+        if self._moved():
+            self._rebuild_()
+        with torch.no_grad():
+            for i in summed:  # backward(create_graph=True) made .grad = alias + gradient: that is the running sum
+                self.aliases[i].copy_(grads[i])
+            sources = [None] * len(self.aliases)
+            fresh = [i for i in detached if grads[i] is not None and i not in summed]
+            for i in fresh:
+                sources[i] = grads[i]
+            if fresh:
+                self.accumulators.add_(sources)
+        self._added.update(fresh)
         for i in detached:
-            sources[i] = self.parameters[i].grad
-        self.accumulators.add_(sources)
-        for i in detached:
-            self.parameters[i].grad = self.views[i]
-        self._account_(added=[bucket for bucket in range(len(self._buckets))
-                              if any(sources[i] is not None for i in self._buckets[bucket].indices)])
+            self.parameters[i].grad = self.aliases[i]
+        self._versions = list(map(_VERSION, self.aliases))
 
     def reattach_(self) -> None:
-        """attach every view again, dropping whatever replaced it (the caller has reset the accumulators); writes to
-        the views until now are accounted for"""
-        self._written.clear()
-        self._dropped.clear()
-        for param, view in zip(self.parameters, self.views):
-            param.grad = view
-        self._edited = [0] * len(self._buckets)
-        self._account_()
+        """attach every alias again, dropping whatever replaced it (the caller resets the accumulators next); build
+        the accumulators anew first if an alias or a parameter moved"""
+        self._disarm()
+        if self._moved():
+            self._rebuild_()
+        for param, alias in zip(self.parameters, self.aliases):
+            param.grad = alias
+        self._versions = list(map(_VERSION, self.aliases))
+        self._reset_versions = list(self._versions)
+        self._added.clear()
+        self._edited = []
+        self._arm_next = True
 
     def check_no_unstepped_grads(self) -> None:
         """
         Before ``zero_grad(set_to_none=True)``: setting ``.grad`` to None drops a micro-batch's gradient only if it is
         not yet in the running sum.
 
-        :raises ValueError: naming the parameter, if backward() added into its view since the last micro-step: that
-          gradient is part of the running sum now, and dropping it is impossible
+        :raises ValueError: naming the parameter, if backward() added into its alias since the last micro-step
         """
-        if self._written:
-            raise ValueError(self._dropped_message(self._written))
-
-    def _dropped_message(self, indices: Set[int]) -> str:
-        first = min(indices)
-        return (
-            f"parameters[{first}] (shape {tuple(self.parameters[first].shape)}"
-            f"{f' and {len(indices) - 1} more' if len(indices) > 1 else ''}): zero_grad() after backward() and "
-            f"before step(). With reuse_grad_buffers=True backward() adds each micro-batch's gradient into the "
-            f"running sum of the epoch at once, so zero_grad() cannot drop it. Call step() before zero_grad(), or use "
-            f"reuse_grad_buffers=False (exact mode) to drop micro-batches"
-        )
+        written = [i for i, (grad, alias, old) in enumerate(zip(map(_GRAD, self.parameters), self.aliases,
+                                                                 self._versions))
+                   if grad is alias and alias._version != old]
+        if written:
+            raise ValueError(self._dropped_message(written))
 
     @contextlib.contextmanager
     def own_write(self, zeroes: bool = False) -> Iterator[None]:
         """
-        Within, writes to the views are the package's own, not edits (a reset, an unscale once per round).
+        Within, writes to the attached ``.grad`` are the package's own, not edits (the optimizer's own reset).
 
         :param zeroes: whether the write zeroes the accumulators: they then hold no earlier micro-step
         """
-        before = [bucket.flat._version for bucket in self._buckets]
-        for k, version in enumerate(before):  # an edit made before this write is not lost with it
-            extra = version - self._baseline[k] - self._autograd_writes[k]
-            if extra > 0:
-                self._edited[k] += extra if self._holds_sum[k] else 0
-                self._baseline[k] += extra
+        before = list(map(_VERSION, self.aliases))
         try:
             yield
         finally:
-            for k, bucket in enumerate(self._buckets):
-                self._baseline[k] += bucket.flat._version - before[k]
+            for i, (old, new) in enumerate(zip(before, map(_VERSION, self.aliases))):
+                self._versions[i] += new - old
                 if zeroes:
-                    self._holds_sum[k] = False
+                    self._reset_versions[i] += new - old
+            if zeroes:
+                self._added.clear()
+                self._holds = [False] * len(self._holds)
 
-    def _check_edits(self) -> None:
-        """raise if a bucket holding earlier micro-steps' gradients was written beyond autograd's and our own writes"""
-        for k, bucket in enumerate(self._buckets):
-            extra = bucket.flat._version - self._baseline[k] - self._autograd_writes[k]
-            if self._edited[k] or (extra > 0 and self._holds_sum[k]):
-                raise ValueError(self._edit_message(k, max(extra, 0) + self._edited[k]))
+    def _moved(self) -> bool:
+        """whether an alias left its accumulator or a parameter changed dtype or device"""
+        if list(map(torch.Tensor.data_ptr, self.aliases)) != self._pointers:
+            return True
+        return any(param.dtype != alias.dtype or param.device != alias.device
+                   for param, alias in zip(self.parameters, self.aliases))
 
-    def _account_(self, added: Sequence[int] = ()) -> None:
-        """take every write to the views until now as accounted for; a bucket written holds gradients from now on"""
-        for k, bucket in enumerate(self._buckets):
-            version = bucket.flat._version
-            if version != self._baseline[k] or k in added:
-                self._holds_sum[k] = True
-            self._baseline[k], self._autograd_writes[k] = version, 0
+    def _rebuild_(self) -> None:
+        """accumulators built anew from the parameters as they are now, holding what each alias holds (cast and moved
+        as the parameters were)"""
+        old = self.aliases
+        accumulators = GradientBuckets(self.parameters)
+        with torch.no_grad():
+            for view, alias in zip(accumulators.views, old):
+                view.copy_(alias)
+        holding = {i for i, (alias, version, reset) in enumerate(zip(old, self._versions, self._reset_versions))
+                   if alias._version != reset}
+        attached = [param.grad is alias for param, alias in zip(self.parameters, old)]
+        added = self._added | holding
+        self._use_(accumulators)
+        self._added = added
+        for param, alias, was_attached in zip(self.parameters, self.aliases, attached):
+            if was_attached:
+                param.grad = alias
+        self._versions = list(map(_VERSION, self.aliases))
+        self._reset_versions = list(self._versions)
+        if self._on_rebuild is not None:
+            self._on_rebuild(accumulators)
 
-    def _edit_message(self, k: int, edits: int) -> str:
-        bucket = self._buckets[k]
-        names = ", ".join(f"parameters[{i}]" for i in bucket.indices[:3])
-        more = f" and {len(bucket.indices) - 3} more" if len(bucket.indices) > 3 else ""
-        return (
-            f"the .grad of {names}{more} ({bucket.source_dtype} on {bucket.source_device}) was edited in place "
-            f"between micro-steps ({edits} in-place write(s) beyond backward()'s own, e.g. "
-            f"torch.nn.utils.clip_grad_norm_, p.grad.mul_(c) or model.zero_grad(set_to_none=False)). With reuse_grad_buffers=True each .grad is a view of the running sum of "
-            f"this epoch's micro-steps, so the edit changed that sum, not this micro-batch's gradient. Use "
-            f"reuse_grad_buffers=False (exact mode), where .grad is yours to edit"
+    # ---- the hooks of one backward pass per epoch: in-place edits of the running sum ----
+
+    def _arm_(self) -> None:
+        self._arm_next = False
+        if self._hooks:
+            return
+        self._hook_writes = [0] * len(self.parameters)
+        self._holds = [alias._version != reset or i in self._added
+                       for i, (alias, reset) in enumerate(zip(self.aliases, self._reset_versions))]
+        owner = weakref.ref(self)  # the hooks outlive an averager that is shut down: they then do nothing
+        self._hooks = [param.register_hook(_BeforeAutogradAdds(owner, i))
+                       for i, param in enumerate(self.parameters) if param.requires_grad]
+
+    def _disarm(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _check_edits(self, versions: List[int]) -> None:
+        """after the hooked backward: refuse an alias holding a sum written beyond autograd's adds; the hooks go,
+        unless they saw create_graph"""
+        self._edited.extend(
+            i for i, (new, old, writes, holds) in enumerate(zip(versions, self._versions, self._hook_writes,
+                                                                self._holds))
+            if holds and new - old > writes and self.parameters[i].grad is self.aliases[i]
         )
+        if not self._create_graph:
+            self._disarm()
+        self._hook_writes = [0] * len(self.parameters)
+
+    def _refuse_edits(self) -> None:
+        """raise while an edit of a running sum seen by the hooks stays in the accumulators (until the reset)"""
+        edited = self._edited
+        if edited:
+            raise ValueError(
+                f"the .grad of {_names(self.parameters, edited)} was edited in place between micro-steps (a write "
+                f"beyond backward()'s own, e.g. torch.nn.utils.clip_grad_norm_, p.grad.mul_(c) or "
+                f"model.zero_grad(set_to_none=False)). With reuse_grad_buffers=True each .grad is a view of the "
+                f"running sum of this epoch's micro-steps, so the edit changed that sum, not this micro-batch's "
+                f"gradient. Use reuse_grad_buffers=False (exact mode), where .grad is yours to edit"
+            )
 
     def _before_autograd_adds(self, index: int) -> None:
         param = self.parameters[index]
-        grad = param.grad
-        if grad is None:  # autograd makes a fresh .grad, added at the next attach_
-            if index in self._written:  # set to None after backward() added into the view: a dropped micro-batch
-                self._dropped.add(index)
-            self._written.discard(index)
-        elif grad is self.views[index]:
-            if torch.is_grad_enabled():  # backward(create_graph=True): autograd would set .grad = view + gradient
-                param.grad = None
-                self._written.discard(index)
-            else:  # autograd adds into the view in place: one write on the bucket's version counter
-                self._written.add(index)
-                self._autograd_writes[self._bucket_of[index]] += 1
+        if param.grad is not self.aliases[index]:
+            return  # autograd makes a fresh .grad (or adds into a replacement): seen at the next attach_
+        if torch.is_grad_enabled():  # backward(create_graph=True): .grad becomes this micro-step's gradient alone
+            self._create_graph = True
+            param.grad = None
+        else:
+            self._hook_writes[index] += 1
+
+    def _dropped_message(self, indices: Sequence[int]) -> str:
+        return (
+            f"{_names(self.parameters, indices)}: zero_grad() after backward() and before step(). With "
+            f"reuse_grad_buffers=True backward() adds each micro-batch's gradient into the running sum of the epoch "
+            f"at once, so zero_grad() cannot drop it. Call step() before zero_grad(), or use "
+            f"reuse_grad_buffers=False (exact mode) to drop micro-batches"
+        )
+
+
+def _alias(view: torch.Tensor) -> torch.Tensor:
+    """a tensor on ``view``'s memory with a version counter of its own (a view shares its base's)"""
+    alias = torch.empty(0, dtype=view.dtype, device=view.device)
+    with torch.no_grad():
+        return alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+
+
+def _adds_to_alias(grad: torch.Tensor) -> bool:
+    """whether ``grad`` is ``.grad + gradient`` as autograd makes it under ``backward(create_graph=True)``"""
+    return grad.grad_fn is not None and type(grad.grad_fn).__name__ == "AddBackward0"
+
+
+def _names(parameters: Sequence[torch.Tensor], indices: Sequence[int]) -> str:
+    indices = sorted(indices)
+    first = indices[0]
+    shown = ", ".join(f"parameters[{i}]" for i in indices[:3])
+    more = f" and {len(indices) - 3} more" if len(indices) > 3 else ""
+    if len(indices) == 1:
+        return f"parameters[{first}] (shape {tuple(parameters[first].shape)})"
+    return f"{shown}{more}"
 
 
 class _BeforeAutogradAdds:

@@ -7,7 +7,8 @@ local gradients are still in the accumulators: :class:`LocalFallback` leaves the
 (its result used, or the fallback loaded), and zeroes them before the next micro-step adds into them. Only if the accumulators are needed for the next
 micro-step while the round is still unsettled (as with ``delay_grad_averaging=True``, where the next epoch
 accumulates during the round) are the local gradients first copied to host memory, once per such round; from CUDA
-into pinned memory without blocking (in place, that copy runs in a hook inside the backward pass).
+into pinned memory without blocking. In in-place mode the next backward pass adds straight into the accumulators,
+so a round's local gradients are copied out as soon as the round begins.
 
 Each round is kept under its own key, so a round's fallback that comes after the next round began (it waited for the
 averager's lock) loads that round's gradients, not the next one's; at most two rounds are kept (docs/failed-rounds.md).
@@ -34,8 +35,8 @@ class LocalFallback:
 
     :param accumulators: the averager's accumulators, built from ``parameters``
     :param parameters: the averager's parameters (a host copy has their layout, as the averager's shared buffers do)
-    :param in_place: whether each ``param.grad`` is a view of ``accumulators``: then, while the accumulators are held,
-      a hook on each parameter releases them before a backward pass adds into them
+    :param in_place: whether each ``param.grad`` is a view of ``accumulators``: then a round's local gradients are
+      copied out and the accumulators zeroed as soon as the round begins, as the next backward pass adds into them
     """
 
     max_rounds = 2  # rounds kept at once: beginning a third one drops the oldest
@@ -43,7 +44,7 @@ class LocalFallback:
     def __init__(self, accumulators: GradientBuckets, parameters: Sequence[torch.Tensor], in_place: bool):
         self.accumulators = accumulators
         self.parameters = tuple(parameters)
-        self._hooked = tuple(param for param in parameters if in_place and param.requires_grad)
+        self._in_place = in_place
         self.holding = False
         # key -> where the round's gradients are (None: the accumulators, else a host buffer) and their scale, in
         # the order the rounds began
@@ -51,7 +52,6 @@ class LocalFallback:
         self._latest: Optional[Hashable] = None
         self._hosts: List[GradientBuckets] = []  # allocated at the first round released unsettled, reused
         self._lent: List[GradientBuckets] = []  # host copies taken by take_host_copy_, not reused until given back
-        self._hooks: List[torch.utils.hooks.RemovableHandle] = []
         self._lock = threading.RLock()
         self._thread = threading.local()
         # CUDA accumulators are copied out into pinned host memory without blocking (see _copy_out_)
@@ -109,14 +109,14 @@ class LocalFallback:
         :param finite: whether they were finite (if not, the fallback is zeros, as sent to peers)
         """
         with self._lock:
-            self._remove_hooks()
             while len(self._kept) >= self.max_rounds:
                 del self._kept[next(iter(self._kept))]
             named = getattr(self._thread, "round", None)
             self._latest = key = named[0] if named is not None and named[0] is not None else object()
             self._kept[key] = [None, scale if finite else 0.0]
             self.holding = True
-            self._hooks = [param.register_hook(self._before_backward_adds) for param in self._hooked]
+            if self._in_place:
+                self.release_()
 
     def settle_(self) -> None:
         """the round's result is used: its local gradients are no longer a fallback. The accumulators are left as they
@@ -174,8 +174,15 @@ class LocalFallback:
                 kept[1] = 1.0
             self.accumulators.zero_()
             self.holding = False
-            if not self._in_backward:  # a hook's own list is not changed while autograd runs it
-                self._remove_hooks()
+
+    def use_accumulators_(self, accumulators: GradientBuckets) -> None:
+        """the averager's accumulators were built anew (in place: the parameters changed dtype or device); host
+        copies of the old layout are dropped"""
+        with self._lock:
+            self.accumulators = accumulators
+            self._pinned = all(bucket.flat.device.type == "cuda" for bucket in accumulators.buckets)
+            used = [kept[0] for kept in self._kept.values()] + self._lent
+            self._hosts = [host for host in self._hosts if any(host is other for other in used)]
 
     def _copy_out_(self, host: GradientBuckets, scale: float) -> None:
         """``host = scale * accumulators``: one blocking scaled copy per bucket; from CUDA accumulators into pinned
@@ -208,19 +215,3 @@ class LocalFallback:
                 return host
         self._hosts.append(GradientBuckets(self.parameters, device="cpu", upcast=True, pin_memory=self._pinned))
         return self._hosts[-1]
-
-    _in_backward = False
-
-    def _before_backward_adds(self, grad: torch.Tensor) -> None:
-        """parameter hook, run before autograd adds a gradient into ``.grad`` (a view of the accumulators)"""
-        if self.holding:
-            self._in_backward = True
-            try:
-                self.release_()
-            finally:
-                self._in_backward = False
-
-    def _remove_hooks(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
