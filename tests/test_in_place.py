@@ -1,5 +1,6 @@
 """In-place mode (reuse_grad_buffers=True) against native PyTorch accumulation as the oracle."""
 import copy
+import sys
 import random
 from functools import partial
 
@@ -279,3 +280,43 @@ def test_zero_grad_drops_a_micro_batch_or_refuses(dht, reuse_grad_buffers, zero_
         assert opt.local_epoch == 2 and model.weight.item() == -2.0
     finally:
         opt.shutdown()
+
+
+def python_calls_in_backward(model, x) -> int:
+    """Python frames entered during ``model(x).sum().backward()`` (the forward runs outside the count)"""
+    loss = model(x).sum()
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        loss.backward()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("tensors", [40, 400])
+def test_in_place_backward_makes_no_python_call_per_parameter(dht, tensors):
+    """in place, a backward makes the Python calls native accumulation makes, whatever the parameter count; only one
+    backward per epoch (the second micro-step's) runs hooks, which see in-place edits of the running sum"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(tensors // 2)])
+    native = copy.deepcopy(model)
+    x = torch.randn(1, 4)
+    python_calls_in_backward(native, x)  # native accumulation, from the second backward on: .grad exists
+    native_calls = python_calls_in_backward(native, x)
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="calls", reuse_grad_buffers=True, start=False)
+    for epoch in range(2):
+        extra = []
+        for _ in range(5):
+            extra.append(python_calls_in_backward(model, x) - native_calls)
+            averager.accumulate_grads_(batch_size=1)
+        assert extra[0] <= 4 and all(calls <= 4 for calls in extra[2:]), extra
+        assert extra[1] >= tensors, extra  # the hooked backward: one call per parameter
+        averager.load_accumulators_into_averager_()
+        averager.reset_accumulated_grads_()
