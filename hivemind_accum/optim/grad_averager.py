@@ -190,6 +190,11 @@ class GradientAverager(upstream.GradientAverager):
     def _accumulator_views(self) -> Sequence[torch.Tensor]:
         return self._grad_views.aliases if self._grad_views is not None else self._accumulators.views
 
+    def _attach_grads_(self) -> None:
+        """in-place mode: add every ``.grad`` that is not its accumulator view into the view, then re-attach the view
+        (see :class:`~hivemind_accum.optim.grad_views.GradViews`)"""
+        self._grad_views.attach_()
+
     def _use_accumulators_(self, accumulators: GradientBuckets) -> None:
         """in-place mode: the accumulators were built anew (the parameters changed dtype or device)"""
         self._accumulators = accumulators
@@ -251,7 +256,7 @@ class GradientAverager(upstream.GradientAverager):
                     stacklevel=2,
                 )
                 self._warned_unequal_batches = True
-            self._grad_views.attach_()
+            self._attach_grads_()
             return None
         grads, alpha = list(map(_GRAD, self.parameters)), batch_size / self._anchor_batch_size
         if inv_grad_scale is None:

@@ -83,18 +83,17 @@ class GradViews:
           added into its alias (that micro-batch cannot be dropped); if the hooks registered for this backward saw an
           in-place edit of a running sum (``clip_grad_norm_``, ``mul_``)
         """
-        grads = list(map(_GRAD, self.parameters))
         versions = list(map(_VERSION, self.aliases))
         if self._hooks:
             self._check_edits(versions)
         self._refuse_edits()
-        if all(map(operator.is_, grads, self.aliases)):
+        if all(map(operator.is_, map(_GRAD, self.parameters), self.aliases)):
             if rebuild and self._moved():
                 self._rebuild_()
                 versions = list(map(_VERSION, self.aliases))
             self._versions = versions
         else:
-            self._attach_detached_(grads, versions)
+            self._attach_detached_(list(map(_GRAD, self.parameters)), versions)
         if micro_step and self._arm_next:
             self._arm_()
 

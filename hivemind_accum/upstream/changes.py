@@ -463,8 +463,7 @@ all-reduce, and a peer downloading the state copied whatever it received.
             "CHECK_CHUNK = 1 << 18",
             "GradientBuckets.scaled_copy_with_checksums_",
             "_scaled_copy_with_checksums",
-            Edit("from typing import Callable, ContextManager, Dict, Iterable, Iterator,",
-                 "from typing import Callable, ContextManager, Dict, Iterable,"),
+            Edit("from typing import Dict, Iterable, Iterator,", "from typing import Dict, Iterable,"),
         ),
         "local_fallback": (
             Edit("    def hand_off_(self, scale: float, finite: bool) -> None:\n",
