@@ -54,13 +54,17 @@ def apply_change(model, change):
         model[2].bias.requires_grad_(True)
 
 
+def loss(model, x, y):
+    """the squared error, taken in float32 (torch 2.3 has no float16 mse_loss backward on the CPU)"""
+    return F.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
+
+
 def micro_batch_grads(model, x, y):
     """this micro-batch's gradient alone, on a copy of the model as it is (float32; zeros where there is none)"""
     reference = copy.deepcopy(model)
     for param in reference.parameters():
         param.grad = None
-    dtype = next(reference.parameters()).dtype
-    F.mse_loss(reference(x.to(dtype)), y.to(dtype)).backward()
+    loss(reference, x, y).backward()
     return [torch.zeros(p.shape) if p.grad is None else p.grad.float() for p in reference.parameters()]
 
 
@@ -99,8 +103,7 @@ def train(change, instance, dht, rank=0, peers=1, barrier=None):
                 apply_change(model, change)
             x, y = torch.randn(BATCH, 3, generator=generator), torch.randn(BATCH, 2, generator=generator)
             epoch_grads.append(micro_batch_grads(model, x, y))
-            dtype = next(model.parameters()).dtype
-            F.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+            loss(model, x, y).backward()
             epoch = opt.local_epoch
             opt.step()
             step += 1
