@@ -220,6 +220,10 @@ class GradViews:
     def _disarm(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        if self._hooks:
+            for param in self.parameters:  # an empty hook dict still makes autograd take the GIL for this tensor
+                if param._backward_hooks is not None and not param._backward_hooks:
+                    param._backward_hooks = None
         self._hooks = []
 
     def _check_edits(self, versions: List[int]) -> None:
