@@ -131,3 +131,61 @@ def test_optimizer_no_sync_step_builds_no_model_and_polls_nothing(monkeypatch, d
         assert opt.local_progress.samples_accumulated == 16 and counter.here() == 1
     finally:
         opt.shutdown()
+
+
+class _Timers:
+    """stands in for ``threading.Timer`` in the tracker's module: records each timer, starts none"""
+
+    def __init__(self):
+        self.made = []
+
+    def __call__(self, delay, function):
+        timers = self
+
+        class Timer:
+            daemon = False
+
+            def start(self):
+                timers.made.append((delay, function))
+
+            def cancel(self):
+                pass
+
+        return Timer()
+
+
+@pytest.mark.parametrize("cls", [ProgressTracker, upstream.ProgressTracker], ids=["ours", "upstream"])
+def test_no_sync_micro_steps_wake_the_reporter_only_when_peers_would_see_it(monkeypatch, dht, cls):
+    """upstream's tracker wakes its reporter thread (a DHT store) at every micro-step; ours at a new epoch, a reset,
+    a reached target, and at most every half min_refresh_period (peers fetch no more often), a report it did not
+    publish at once at most that much later (a timer)"""
+    from hivemind.optim import progress_tracker as upstream_module
+
+    from hivemind_accum.optim import progress_tracker as ours_module
+
+    now = [1000.0]
+    for module in (upstream_module, ours_module):
+        monkeypatch.setattr(module, "get_dht_time", lambda: now[0])
+    timers = _Timers()
+    monkeypatch.setattr(ours_module.threading, "Timer", timers)
+    tracker = cls(dht, f"wake_{cls.__module__}", target_batch_size=200, start=False, min_refresh_period=1.0)
+    wakes = []
+    monkeypatch.setattr(tracker.should_report_progress, "set", lambda: wakes.append(now[0]))
+    for step in range(1, 21):  # 20 micro-steps, 10 ms apart: within half a refresh period
+        now[0] += 0.01
+        tracker.report_local_progress(0, 4 * step)
+    if cls is upstream.ProgressTracker:
+        assert len(wakes) == 20
+        return
+    assert len(wakes) == 1 and len(timers.made) == 1  # the first report, and one deferred wake-up for the rest
+    delay, wake = timers.made[0]
+    assert delay == pytest.approx(0.5 - 0.01)
+    wake()
+    assert len(wakes) == 2 and tracker._woken[1] == 80  # the latest record is what the reporter publishes
+    now[0] += 0.5
+    tracker.report_local_progress(0, 84)  # half a refresh period since the last wake-up
+    tracker.report_local_progress(0, 0)  # a reset (an overflow): progress went back
+    tracker.report_local_progress(1, 0)  # a new epoch
+    assert len(wakes) == 5
+    tracker.report_local_progress(1, 200)  # the swarm may have reached its target
+    assert len(wakes) == 6

@@ -4,9 +4,16 @@
 ``report_local_progress`` runs on every micro-step of :class:`hivemind.Optimizer`, but peers see the progress only
 when the tracker's reporter thread publishes it. So the reported values are kept as a plain tuple and the
 :class:`LocalTrainingProgress` record is built when it is read (by the reporter thread as it publishes, or by anyone
-reading ``local_progress``): the same fields and values reach the DHT, and every report still wakes the reporter.
+reading ``local_progress``): the same fields and values reach the DHT.
+
+A report wakes the reporter thread, which stores the record in the DHT, only when peers would see the difference:
+a new epoch, progress that went back (a reset), a swarm that may have reached its target, or half of
+``min_refresh_period`` since the last wake-up (peers fetch records no more often than that, and extrapolate between
+records at the reported speed). A report that does not wake it is published at most that much later (a timer).
+Upstream wakes it at every micro-step.
 """
 import logging
+import threading
 from typing import Optional, Tuple
 
 from hivemind.optim import progress_tracker as upstream
@@ -48,7 +55,39 @@ class ProgressTracker(upstream.ProgressTracker):
             self._progress_record = record
         else:  # built now: raises the model's ValidationError for what confloat(ge=0, strict=True) rejects
             self.local_progress = self._build_local_progress(record)
+        if self._peers_need_report(record):
+            self._woken = record
+            self.should_report_progress.set()
+        elif self._deferred is None:  # published at most half a refresh period late, also if no report follows
+            delay = self.min_refresh_period / 2 - (record[3] - self._woken[3])
+            self._deferred = threading.Timer(max(delay, 0.0), self._wake_deferred)
+            self._deferred.daemon = True
+            self._deferred.start()
+
+    _woken: Optional[Tuple] = None  # the record of the last report that woke the reporter
+    _deferred: Optional[threading.Timer] = None  # the wake-up of a report that did not wake the reporter
+
+    def _wake_deferred(self) -> None:
+        self._deferred = None
+        self._woken = self._progress_record
         self.should_report_progress.set()
+
+    def shutdown(self, *args, **kwargs):
+        deferred = self._deferred
+        if deferred is not None:
+            deferred.cancel()
+        return super().shutdown(*args, **kwargs)
+
+    def _peers_need_report(self, record: Tuple) -> bool:
+        """whether peers would see this report differ from the last one published: see the module's docstring"""
+        woken = self._woken
+        return (
+            woken is None
+            or record[0] != woken[0]
+            or record[1] < woken[1]
+            or max(self.global_progress.samples_accumulated, record[1]) >= self.target_batch_size
+            or record[3] - woken[3] >= self.min_refresh_period / 2
+        )
 
     def _read_local_progress(self) -> LocalTrainingProgress:
         """the record of the last report, built at the first read after it"""
