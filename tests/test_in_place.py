@@ -324,3 +324,42 @@ def test_in_place_backward_makes_no_python_call_per_parameter(dht, tensors):
         assert extra[1] >= tensors, extra  # the hooked backward: one call per parameter
         averager.load_accumulators_into_averager_()
         averager.reset_accumulated_grads_()
+
+
+def gan_micro_steps(generator, discriminator, step_=None):
+    """four GAN-style micro-steps (the discriminator frozen for the generator's backward), then a gradient assigned
+    with weight decay and a graph to the parameter (outside torch.no_grad); ``step_`` ends each micro-step"""
+    torch.manual_seed(1)
+    for _ in range(4):
+        z, real = torch.randn(4, 2), torch.randn(4, 3)
+        discriminator.requires_grad_(True)
+        (discriminator(real).mean() - discriminator(generator(z).detach()).mean()).backward()
+        discriminator.requires_grad_(False)
+        (-discriminator(generator(z)).mean()).backward()
+        discriminator.requires_grad_(True)
+        step_ and step_()
+    grads = torch.autograd.grad(generator(torch.randn(4, 2)).square().mean(), list(generator.parameters()))
+    for param, grad in zip(generator.parameters(), grads):
+        if step_:
+            param.grad = grad + 0.01 * param
+        else:
+            with torch.no_grad():
+                param.grad += grad + 0.01 * param
+    step_ and step_()
+
+
+@pytest.mark.forked
+def test_in_place_toggling_requires_grad_and_assigned_grads_match_native(dht):
+    """a parameter trainable again after the epoch's hooks were registered is no edit; a .grad assigned with a graph
+    of its own (p.grad = g + wd * p) is a fresh gradient, added like any other"""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append((torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)))
+    (generator, discriminator), (native_g, native_d) = models
+    params = [*generator.parameters(), *discriminator.parameters()]
+    averager = GradientAverager(params, dht=dht, prefix="gan", reuse_grad_buffers=True, start=False)
+    gan_micro_steps(generator, discriminator, lambda: averager.accumulate_grads_(batch_size=4))
+    gan_micro_steps(native_g, native_d)
+    for acc, param in zip(averager._grad_accumulators(), [*native_g.parameters(), *native_d.parameters()]):
+        torch.testing.assert_close(acc, param.grad)

@@ -37,9 +37,22 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+class Conv(torch.nn.Module):
+    """a 1x2 convolution over 3 channels of a 1x2 image (a Linear(3 x 2, 4) whose weight's memory order channels_last
+    changes)"""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, (1, 2))
+
+    def forward(self, x):
+        return self.conv(x[:, :, None, None] * torch.tensor([1.0, -0.5])).flatten(1)
+
+
 def make_model(change):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    first = Conv() if change == "channels_last" else torch.nn.Linear(3, 4)
+    model = torch.nn.Sequential(first, torch.nn.Tanh(), torch.nn.Linear(4, 2))
     if change == "unfreeze":
         model[2].bias.requires_grad_(False)
     return model
@@ -52,6 +65,8 @@ def apply_change(model, change):
         model.double()
     elif change == "unfreeze":
         model[2].bias.requires_grad_(True)
+    elif change == "channels_last":
+        model.to(memory_format=torch.channels_last)
 
 
 def loss(model, x, y):
@@ -103,13 +118,15 @@ def train(change, instance, dht, rank=0, peers=1, barrier=None):
                 apply_change(model, change)
             x, y = torch.randn(BATCH, 3, generator=generator), torch.randn(BATCH, 2, generator=generator)
             epoch_grads.append(micro_batch_grads(model, x, y))
-            loss(model, x, y).backward()
+            loss(model, x, y).backward(create_graph=change == "create_graph")
             epoch = opt.local_epoch
             opt.step()
             step += 1
             if opt.local_epoch != epoch:
                 means.append(([torch.stack(g).mean(0) for g in zip(*epoch_grads)], BATCH * len(epoch_grads)))
                 epoch_grads = []
+        for param in model.parameters():
+            param.grad = None  # drop any graph kept by create_graph
         return recorder.handed, means
     finally:
         opt.shutdown()
@@ -119,7 +136,7 @@ def tolerance(change):
     return dict(rtol=2e-2, atol=2e-3) if change == "half" else dict(rtol=1e-5, atol=1e-6)
 
 
-CHANGES = [None, "half", "double", "unfreeze"]
+CHANGES = [None, "half", "double", "unfreeze", "channels_last", "create_graph"]
 
 
 @pytest.mark.forked

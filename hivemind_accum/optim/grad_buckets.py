@@ -201,8 +201,12 @@ class GradientBuckets:
         self._single = len(self.buckets) == 1  # then its indices are 0, 1, ...: sources need no regrouping
 
     def pairs_with(self, other: "GradientBuckets") -> bool:
-        """whether ``other`` groups the same tensors into buckets in the same order (bucket-to-bucket copies apply)"""
-        return [bucket.indices for bucket in self.buckets] == [bucket.indices for bucket in other.buckets]
+        """whether ``other`` groups the same tensors into buckets in the same order and layout (strides), so that
+        bucket-to-bucket copies apply"""
+        def layout(buckets: "GradientBuckets"):
+            return [(bucket.indices, [view.stride() for view in bucket.views]) for bucket in buckets.buckets]
+
+        return layout(self) == layout(other)
 
     @torch.no_grad()
     def add_(self, sources: Sequence[Optional[torch.Tensor]], alpha: float = 1.0) -> None:

@@ -11,8 +11,9 @@ runs at every ``step()`` and reads, on the host, what happened since the previou
   replaced. A fresh gradient is added into the alias; the alias is attached again.
 - version counters: a ``.grad`` replaced after its alias was written (``p.grad = f(p.grad)``, or ``zero_grad`` after
   backward) is refused. Adding it would count the running sum twice, or keep a micro-batch the caller dropped.
-- ``backward(create_graph=True)`` makes autograd replace ``.grad`` by ``alias + gradient`` out of place (an
-  ``AddBackward0`` tensor): it is copied into the alias, so each micro-step counts once.
+- ``backward(create_graph=True)`` makes autograd replace ``.grad`` by ``alias + gradient`` out of place: right after a
+  reset the alias holds zeros, so that is the fresh gradient; the epoch's hooked backward sees ``create_graph`` and the
+  hooks then stay (below).
 - storage: an alias moved out of its accumulator (``model.half()``, ``model.to(device)``, ``p.grad.data = ...``) holds
   the running sum. At the next step that adds into the accumulators, load or reset, the accumulators are built anew
   from the parameters as they are and the sums copied in.
@@ -84,7 +85,7 @@ class GradViews:
           in-place edit of a running sum (``clip_grad_norm_``, ``mul_``)
         """
         versions = list(map(_VERSION, self.aliases))
-        if self._hooks:
+        if self._hooks and micro_step:
             self._check_edits(versions)
         self._refuse_edits()
         if all(map(operator.is_, map(_GRAD, self.parameters), self.aliases)):
@@ -100,11 +101,12 @@ class GradViews:
     def _attach_detached_(self, grads: List[Optional[torch.Tensor]], versions: List[int]) -> None:
         detached = [i for i, (grad, alias) in enumerate(zip(grads, self.aliases)) if grad is not alias]
         written = {i for i in detached if versions[i] != self._versions[i]}
-        summed = [i for i in detached if grads[i] is not None and _adds_to_alias(grads[i])]  # create_graph
+        if any(grads[i] is not None and grads[i].requires_grad for i in detached):
+            self._arm_next = True  # backward(create_graph=True)? the hooks see the next backward and stay if so
         dropped = [i for i in detached if i in written and grads[i] is None]
         if dropped:
             raise ValueError(self._dropped_message(dropped))
-        from_sum = [i for i in detached if i in written and grads[i] is not None and i not in summed]
+        from_sum = [i for i in detached if i in written and grads[i] is not None]
         if from_sum:
             raise ValueError(
                 f"{_names(self.parameters, from_sum)}: its .grad was replaced after backward() had added into it: by "
@@ -116,10 +118,8 @@ class GradViews:
         if self._moved():
             self._rebuild_()
         with torch.no_grad():
-            for i in summed:  # backward(create_graph=True) made .grad = alias + gradient: that is the running sum
-                self.aliases[i].copy_(grads[i])
             sources = [None] * len(self.aliases)
-            fresh = [i for i in detached if grads[i] is not None and i not in summed]
+            fresh = [i for i in detached if grads[i] is not None]
             for i in fresh:
                 sources[i] = grads[i]
             if fresh:
@@ -214,6 +214,7 @@ class GradViews:
         self._holds = [alias._version != reset or i in self._added
                        for i, (alias, reset) in enumerate(zip(self.aliases, self._reset_versions))]
         owner = weakref.ref(self)  # the hooks outlive an averager that is shut down: they then do nothing
+        self._hooked = [param.requires_grad for param in self.parameters]
         self._hooks = [param.register_hook(_BeforeAutogradAdds(owner, i))
                        for i, param in enumerate(self.parameters) if param.requires_grad]
 
@@ -230,9 +231,9 @@ class GradViews:
         """after the hooked backward: refuse an alias holding a sum written beyond autograd's adds; the hooks go,
         unless they saw create_graph"""
         self._edited.extend(
-            i for i, (new, old, writes, holds) in enumerate(zip(versions, self._versions, self._hook_writes,
-                                                                self._holds))
-            if holds and new - old > writes and self.parameters[i].grad is self.aliases[i]
+            i for i, (new, old, writes, holds, hooked) in enumerate(zip(versions, self._versions, self._hook_writes,
+                                                                        self._holds, self._hooked))
+            if hooked and holds and new - old > writes and self.parameters[i].grad is self.aliases[i]
         )
         if not self._create_graph:
             self._disarm()
@@ -274,11 +275,6 @@ def _alias(view: torch.Tensor) -> torch.Tensor:
     alias = torch.empty(0, dtype=view.dtype, device=view.device)
     with torch.no_grad():
         return alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
-
-
-def _adds_to_alias(grad: torch.Tensor) -> bool:
-    """whether ``grad`` is ``.grad + gradient`` as autograd makes it under ``backward(create_graph=True)``"""
-    return grad.grad_fn is not None and type(grad.grad_fn).__name__ == "AddBackward0"
 
 
 def _names(parameters: Sequence[torch.Tensor], indices: Sequence[int]) -> str:
