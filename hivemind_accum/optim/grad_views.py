@@ -35,6 +35,7 @@ from hivemind_accum.optim.grad_buckets import GradientBuckets
 
 _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
+_DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
 
 
 class GradViews:
@@ -59,15 +60,11 @@ class GradViews:
         self._create_graph = False  # a hook saw backward(create_graph=True): keep the hooks
         self._edited: List[int] = []  # parameters whose running sum the hooks saw edited, until the reset
 
-    @property
-    def views(self) -> Sequence[torch.Tensor]:
-        """each parameter's alias: what its ``.grad`` is while attached"""
-        return self.aliases
-
     def _use_(self, accumulators: GradientBuckets) -> None:
         self.accumulators = accumulators
         self.aliases = tuple(map(_alias, accumulators.views))
         self._pointers = list(map(torch.Tensor.data_ptr, self.aliases))
+        self._dtypes, self._devices = list(map(_DTYPE, self.aliases)), list(map(_DEVICE, self.aliases))
         self._versions = list(map(_VERSION, self.aliases))  # at the last attach_, plus the package's own writes
         self._reset_versions = list(self._versions)
         self._added: Set[int] = set()  # parameters whose alias a fresh gradient was added into since the reset
@@ -169,18 +166,17 @@ class GradViews:
         finally:
             for i, (old, new) in enumerate(zip(before, map(_VERSION, self.aliases))):
                 self._versions[i] += new - old
-                if zeroes:
-                    self._reset_versions[i] += new - old
+                if zeroes:  # the alias holds no earlier micro-step from here
+                    self._reset_versions[i] = new
             if zeroes:
                 self._added.clear()
                 self._holds = [False] * len(self._holds)
 
     def _moved(self) -> bool:
         """whether an alias left its accumulator or a parameter changed dtype or device"""
-        if list(map(torch.Tensor.data_ptr, self.aliases)) != self._pointers:
-            return True
-        return any(param.dtype != alias.dtype or param.device != alias.device
-                   for param, alias in zip(self.parameters, self.aliases))
+        return (list(map(torch.Tensor.data_ptr, self.aliases)) != self._pointers
+                or list(map(_DTYPE, self.parameters)) != self._dtypes
+                or list(map(_DEVICE, self.parameters)) != self._devices)
 
     def _rebuild_(self) -> None:
         """accumulators built anew from the parameters as they are now, holding what each alias holds (cast and moved
@@ -190,8 +186,7 @@ class GradViews:
         with torch.no_grad():
             for view, alias in zip(accumulators.views, old):
                 view.copy_(alias)
-        holding = {i for i, (alias, version, reset) in enumerate(zip(old, self._versions, self._reset_versions))
-                   if alias._version != reset}
+        holding = {i for i, (alias, reset) in enumerate(zip(old, self._reset_versions)) if alias._version != reset}
         attached = [param.grad is alias for param, alias in zip(self.parameters, old)]
         added = self._added | holding
         self._use_(accumulators)
