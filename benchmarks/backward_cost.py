@@ -25,19 +25,13 @@ import time
 import hivemind
 import torch
 
+from benchmarks.intervals import bootstrap_interval
 from hivemind_accum import GradientAverager
 
 
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(*[layer for _ in range(100) for layer in (torch.nn.Linear(32, 32), torch.nn.LayerNorm(32))])
-
-
-def bootstrap_interval(values, resamples: int = 10_000, seed: int = 0):
-    """the median of ``values`` and a 95 % percentile-bootstrap interval of it"""
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    return statistics.median(values), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 class Variant:

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# The GPU benchmark in one command of at most 9 minutes (docs/gpu.md gives the device call). On a CUDA machine:
+# The GPU measurement in one command of at most 8 minutes (docs/gpu.md gives the device call). On a CUDA machine:
 #
-#   benchmarks/gpu_run.sh OUTDIR          the GPU run: every stage below; their time limits add to 540 s
-#   benchmarks/gpu_run.sh OUTDIR --quick  when little device time is left: stage 0 without the CUDA tests, then
-#                                         stage 1 on ResNet-152 alone, one window per worker (limits add to 190 s)
-#   benchmarks/gpu_run.sh OUTDIR --check  on any CPU: the GPU run's stages on a small model and few steps, to check
-#                                         the plumbing (its numbers mean nothing)
+#   benchmarks/gpu_run.sh OUTDIR          every stage below; their time limits add to 480 s
+#   benchmarks/gpu_run.sh OUTDIR --quick  when little device time is left: stage 1 on ResNet-152 alone (190 s)
+#   benchmarks/gpu_run.sh OUTDIR --check  on any CPU: the same stages on a small model and few blocks, to check the
+#                                         plumbing and the verdicts' printing (its numbers mean nothing)
 #
 # A machine without network access: if hivemind, pytest-forked or pytest 8 cannot be imported and a folder .whl/
 # exists in the repository root, the script installs the wheels in it into /tmp/site (benchmarks/gpu_wheels.sh
@@ -14,19 +13,14 @@
 # Stages, each under its own time limit (LIMIT below), logged to OUTDIR/gpu_run.log; none stops the next when it
 # fails (the exit status is 1 if any failed, so that a CI run of --check catches a stage that broke):
 #   0. install the wheels if needed; print Python, torch, CUDA, the GPU and its driver; run
-#      check_grad_scaler_internals(); start a hivemind DHT (its p2pd daemon); then every test under
-#      tests/ named cuda (-k cuda)
-#   1. hivemind#566's own configuration first (exact mode with hivemind.GradScaler: exact_hivemind), then what the
-#      README's GPU table needs: native, upstream, exact and in place in hivemind#566's setting on ResNet-152, then on
-#      ConvNeXt-Large (python -m benchmarks.sweep --preset report), each worker in its own fresh process
-#   2. upstream with hivemind.GradScaler and upstream reuse_grad_buffers=True on both models, added to the same
-#      results (--merge)
-#   3. the pytest-benchmark targets checked on those samples (HIVEMIND_ACCUM_BENCH_RESULTS); a configuration the
-#      results lack is skipped and named
-# The sweep writes OUTDIR/sweep_cuda.{json,md} after every worker; a worker that fails or runs past WORKER_TIMEOUT
-# is recorded there and skipped. The table is printed last. Environment: ROUNDS (processes per implementation,
-# default 1), STEPS (micro-steps per timed window, default 30), WINDOWS (default 2), WORKER_TIMEOUT (seconds, default
-# 90), PYTHON (default python3).
+#      check_grad_scaler_internals(); start a hivemind DHT (its p2pd daemon); then every test under tests/ named cuda
+#   1. python -m benchmarks.gpu_protocol on ResNet-152, then on ConvNeXt-Large, in hivemind#566's setting: native,
+#      in place, exact, the report's hivemind.GradScaler loop (exact_hivemind; in place uses it too), upstream's two
+#      modes, interleaved in one process; verdicts on 0.99 of native (OUTDIR/protocol_<model>.{json,md})
+#   2. the report's regime: the same process confined to 2 cores (taskset -c 0,1) beside 2 busy processes of a data
+#      loader's kind; native, upstream and ours on ResNet-152, verdicts on 0.97 (OUTDIR/two_cores_resnet152.*)
+# Each protocol writes its files after every block, so a stage cut short by its limit keeps what it measured.
+# Environment: PYTHON (default python3).
 set -uo pipefail
 OUT=${1:?usage: benchmarks/gpu_run.sh OUTDIR [--quick|--check]}
 MODE=${2:-gpu}
@@ -43,30 +37,35 @@ stage() { echo; echo "=== [$(( $(date +%s) - started )) s] $*"; }
 failed=()
 check() { [ "$1" -eq 0 ] || failed+=("$2 (exit status $1)"); }
 
-# seconds per stage; 0 skips it. The GPU run's add to at most 540 (one command of 9 minutes), --quick's to at most 190.
-# On an H200 a sweep worker takes 25-30 s, mostly process start-up: stage 1 runs 10 workers, stage 2 four
-declare -A GPU_LIMIT=([install]=30 [environment]=30 [tests]=60 [readme]=280 [reuse]=120 [targets]=20)
-declare -A QUICK_LIMIT=([install]=20 [environment]=25 [tests]=0 [readme]=145 [reuse]=0 [targets]=0)
+# seconds per stage; 0 skips it. The GPU run's add to at most 480 (one command of 8 minutes), --quick's to 190.
+# A protocol stage builds its loops (tens of seconds), then runs blocks of about 2.5 s (six loops of 6 micro-steps
+# of 50-65 ms on an H200) until DEADLINE_MARGIN seconds before its limit
+declare -A GPU_LIMIT=([install]=20 [environment]=25 [tests]=45 [resnet152]=140 [convnext-large]=140 [two_cores]=110)
+declare -A QUICK_LIMIT=([install]=20 [environment]=25 [tests]=0 [resnet152]=145 [convnext-large]=0 [two_cores]=0)
 sum() { local -n limits=$1; local total=0 key; for key in "${!limits[@]}"; do total=$(( total + limits[$key] )); done; echo $total; }
-[ "$(sum GPU_LIMIT)" -le 540 ] && [ "$(sum QUICK_LIMIT)" -le 190 ] || {
-  echo "stage limits add to $(sum GPU_LIMIT) s (GPU run, at most 540) and $(sum QUICK_LIMIT) s (--quick, at most 190)"
+[ "$(sum GPU_LIMIT)" -le 480 ] && [ "$(sum QUICK_LIMIT)" -le 190 ] || {
+  echo "stage limits add to $(sum GPU_LIMIT) s (GPU run, at most 480) and $(sum QUICK_LIMIT) s (--quick, at most 190)"
   exit 1
 }
 TEST_SELECTION=(-k cuda)
+# the protocol's arguments; a stage's protocol stops its blocks DEADLINE_MARGIN seconds before the stage's limit, to
+# profile one step per implementation and write its files; CHECK_MODEL stands in for both models with --check
+PROTOCOL=(--device cuda --steps 5 --min-blocks 30)
+THREADS=8 DEADLINE_MARGIN=15 CHECK_MODEL=
 case "$MODE" in
-  gpu)   declare -n LIMIT=GPU_LIMIT; DEVICE=cuda; MODELS="resnet152 convnext-large"; WARMUP=10; THREADS=8 ;;
-  --quick) declare -n LIMIT=QUICK_LIMIT; DEVICE=cuda; MODELS="resnet152"; WARMUP=5; THREADS=8; WINDOWS=1 ;;
+  gpu)   declare -n LIMIT=GPU_LIMIT; DEVICE=cuda; MODELS="resnet152 convnext-large" ;;
+  --quick) declare -n LIMIT=QUICK_LIMIT; DEVICE=cuda; MODELS="resnet152" ;;
   --check)
-    # a CPU busy with CI's other stages: twice the GPU run's limits, so that only a broken stage fails
+    # a CPU busy with CI's other stages: twice the GPU run's limits, so that only a broken stage fails; a small
+    # model stands in for both models, few blocks
     declare -A CHECK_LIMIT; for key in "${!GPU_LIMIT[@]}"; do CHECK_LIMIT[$key]=$(( 2 * GPU_LIMIT[$key] )); done
-    declare -n LIMIT=CHECK_LIMIT; DEVICE=cpu; MODELS="linear-1m"; STEPS=${STEPS:-2}; WINDOWS=1; WARMUP=1; THREADS=1
+    declare -n LIMIT=CHECK_LIMIT; DEVICE=cpu; MODELS="resnet152 convnext-large"
+    PROTOCOL=(--device cpu --steps 2 --min-blocks 3 --blocks 4 --warmup 1); THREADS=1 CHECK_MODEL=mlp-20x16
     TEST_SELECTION=(-k "cuda or cost_is_one_fused_op")  # on a CPU the CUDA cases skip: run one cost guard too
     ;;
   *) echo "unknown mode $MODE: use --quick or --check, or nothing"; exit 1 ;;
 esac
-ROUNDS=${ROUNDS:-1}; STEPS=${STEPS:-30}; WINDOWS=${WINDOWS:-2}; WORKER_TIMEOUT=${WORKER_TIMEOUT:-90}
-[ "$MODE" = --check ] && WORKER_TIMEOUT=$(( 2 * WORKER_TIMEOUT ))
-echo "mode ${MODE#--}: stage limits $(for key in install environment tests readme reuse targets; do
+echo "mode ${MODE#--}: stage limits $(for key in install environment tests resnet152 convnext-large two_cores; do
   printf '%s=%s ' "$key" "${LIMIT[$key]}"; done)(sum $(sum LIMIT) s)"
 
 stage "0. environment"
@@ -105,39 +104,30 @@ if [ "${LIMIT[tests]}" -gt 0 ]; then
   status=$?; echo "tests exit status: $status"; check $status "0. CUDA tests"
 fi
 
-sweep() {  # sweep LIMIT_KEY IMPLS... [--merge]: one sweep stage into OUTDIR/sweep_$DEVICE.{json,md}
-  local limit=${LIMIT[$1]}; shift
-  # shellcheck disable=SC2086
-  timeout "$limit" "$PYTHON" -m benchmarks.sweep --device "$DEVICE" --preset report --models $MODELS \
-    --rounds "$ROUNDS" --steps "$STEPS" --windows "$WINDOWS" --warmup "$WARMUP" --threads "$THREADS" \
-    --worker-timeout "$WORKER_TIMEOUT" --output-dir "$OUT" --name "sweep_$DEVICE" --impls "$@"
+protocol() {  # protocol LIMIT_KEY NAME MODEL [COMMAND PREFIX] -- ARGS...: one protocol stage under its limit
+  local limit=${LIMIT[$1]} name=$2 model=${CHECK_MODEL:-$3}; shift 3
+  local prefix=(); while [ "$1" != -- ]; do prefix+=("$1"); shift; done; shift
+  "${prefix[@]}" timeout "$limit" "$PYTHON" -m benchmarks.gpu_protocol --out-dir "$OUT" --name "$name" --model "$model" \
+    --deadline-s $(( limit - DEADLINE_MARGIN )) "${PROTOCOL[@]}" "$@"
 }
-stage "1. hivemind#566's configuration (exact_hivemind), then the README table: native, upstream, exact, in place on $DEVICE: $MODELS"
-sweep readme exact_hivemind native upstream exact inplace
-status=$?; echo "sweep exit status: $status"; check $status "1. README table sweep"
+for model in $MODELS; do
+  [ "${LIMIT[$model]}" -gt 0 ] || continue
+  stage "1. $model in hivemind#566's setting: every implementation interleaved in one process"
+  protocol "$model" "protocol_$model" "$model" -- --threads "$THREADS"
+  status=$?; echo "protocol exit status: $status"; check $status "1. $model"
+done
 
-if [ "${LIMIT[reuse]}" -gt 0 ]; then
-  stage "2. upstream with hivemind.GradScaler, upstream reuse_grad_buffers=True on $DEVICE: $MODELS"
-  sweep reuse upstream_hivemind upstream_reuse --merge
-  status=$?; echo "sweep exit status: $status"; check $status "2. upstream_reuse sweep"
-fi
-
-if [ "${LIMIT[targets]}" -gt 0 ]; then
-  stage "3. pytest-benchmark targets on the same samples"
-  if [ -f "$OUT/sweep_$DEVICE.json" ]; then
-    HIVEMIND_ACCUM_BENCH_DEVICE=$DEVICE HIVEMIND_ACCUM_BENCH_RESULTS="$OUT/sweep_$DEVICE.json" \
-      HIVEMIND_ACCUM_BENCH_MODELS="$MODELS" timeout "${LIMIT[targets]}" "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
-      benchmarks/test_local_accumulation.py --benchmark-only --benchmark-storage "file:///tmp/pytest-benchmark" \
-      --benchmark-json "$OUT/pytest_benchmark_$DEVICE.json" --benchmark-columns=median,iqr,rounds
-    status=$?; echo "benchmark targets exit status: $status"
-    # with --check the samples are 2 micro-steps of a small model on a busy CPU: the targets run, their verdict is noise
-    [ "$MODE" = --check ] || check $status "3. benchmark targets"
+if [ "${LIMIT[two_cores]}" -gt 0 ]; then
+  stage "2. the report's regime: 2 cores (taskset -c 0,1), 2 busy processes beside, ResNet-152"
+  if command -v taskset >/dev/null && [ "$(nproc --all)" -ge 2 ]; then
+    protocol two_cores two_cores_resnet152 resnet152 taskset -c 0,1 -- --threads 2 --cpu-load 2 --target 0.97 \
+      --impls native upstream_hivemind exact_hivemind inplace
+    status=$?; echo "protocol exit status: $status"; check $status "2. two cores"
   else
-    check 1 "3. benchmark targets (no sweep results)"
+    echo "taskset or a second core is missing: stage 2 skipped"
   fi
 fi
 
 stage "done in $(( $(date +%s) - started )) s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
-echo
-cat "$OUT/sweep_$DEVICE.md" 2>/dev/null || echo "no results table"
+for table in "$OUT"/protocol_*.md "$OUT"/two_cores_*.md; do [ -f "$table" ] && { echo; cat "$table"; }; done
 if [ ${#failed[@]} -gt 0 ]; then echo; echo "failed stages: ${failed[*]}"; exit 1; fi

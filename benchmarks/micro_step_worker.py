@@ -108,6 +108,74 @@ def count_events(events) -> dict:
     )
 
 
+class Loop:
+    """
+    One implementation's training loop, ready to run micro-steps: its model (seeded), inputs, optimizer and scaler.
+
+    :param impl: one of :data:`REPORT_IMPLEMENTATIONS` or :data:`CONTROLS`
+    :param dht: a started DHT to share (one per process in :mod:`benchmarks.gpu_protocol`); else the loop starts its own
+    """
+
+    def __init__(
+        self, impl: str, model_name: str, batch_size: int, precision: str = "fp32", device: str = "cpu",
+        image_size: int = 32, target_batch_size: int = 10**9, dht=None,
+    ):
+        self.impl, self.model_name, self.batch_size, self.device, self.image_size = impl, model_name, batch_size, device, image_size
+        torch.manual_seed(0)
+        self.model = build_model(model_name).to(device)
+        self.generator = torch.Generator(device=device).manual_seed(1)
+        self.opt = self.own_dht = None
+        if impl not in ("native",):
+            import hivemind
+
+            import hivemind_accum
+
+            if dht is None:
+                dht = self.own_dht = hivemind.DHT(start=True)
+            optimizer_cls = hivemind.Optimizer if impl.startswith("upstream") else hivemind_accum.Optimizer
+            self.opt = optimizer_cls(
+                dht=dht, run_id=f"bench_{impl}", params=self.model.parameters(),
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+                target_batch_size=target_batch_size, batch_size_per_step=batch_size,
+                reuse_grad_buffers=impl in IN_PLACE_LOOPS, matchmaking_time=5.0, **report_configuration(),
+            )
+        self.scaler = None
+        if precision == "fp16" and impl in HIVEMIND_SCALER:
+            import hivemind
+
+            self.scaler = hivemind.GradScaler(device)
+        elif precision == "fp16":
+            self.scaler = torch.amp.GradScaler(device)
+        self.autocast_dtype = PRECISIONS[precision]
+
+    def micro_step(self, timings: Optional[list] = None, during_step=None) -> None:
+        """one micro-step; ``timings`` gets the host seconds of the step call, ``during_step`` wraps it"""
+        impl, opt, scaler = self.impl, self.opt, self.scaler
+        inputs = make_inputs(self.model_name, self.batch_size, self.generator, image_size=self.image_size, device=self.device)
+        if impl in ("upstream", "exact", "upstream_hivemind", "exact_hivemind"):
+            opt.zero_grad()
+        with torch.autocast(self.device, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None):
+            loss = self.model(inputs).float().square().mean()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        step_start = time.perf_counter()
+        with during_step() if during_step is not None else _nothing():
+            if impl in ("native", "native_hivemind"):
+                pass
+            elif scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        if timings is not None:
+            timings.append(time.perf_counter() - step_start)
+
+    def shutdown(self) -> None:
+        if self.opt is not None:
+            self.opt.shutdown()
+        if self.own_dht is not None:
+            self.own_dht.shutdown()
+
+
 def run(
     impl: str, model_name: str, steps: int, warmup: int, batch_size: int, threads: int, precision: str = "fp32",
     device: str = "cpu", windows: int = 1, image_size: int = 32, target_batch_size: int = 10**9,
@@ -123,50 +191,8 @@ def run(
     :returns: the measurements, as the module docstring describes them
     """
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    model = build_model(model_name).to(device)
-    generator = torch.Generator(device=device).manual_seed(1)
-    opt = dht = None
-    if impl != "native":
-        import hivemind
-
-        import hivemind_accum
-
-        dht = hivemind.DHT(start=True)
-        optimizer_cls = hivemind.Optimizer if impl.startswith("upstream") else hivemind_accum.Optimizer
-        opt = optimizer_cls(
-            dht=dht, run_id=f"bench_{impl}", params=model.parameters(),
-            optimizer=lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
-            target_batch_size=target_batch_size, batch_size_per_step=batch_size,
-            reuse_grad_buffers=impl in IN_PLACE_LOOPS, matchmaking_time=5.0, **report_configuration(),
-        )
-    scaler = None
-    if precision == "fp16" and impl in HIVEMIND_SCALER:
-        import hivemind
-
-        scaler = hivemind.GradScaler(device)
-    elif precision == "fp16":
-        scaler = torch.amp.GradScaler(device)
-    autocast_dtype = PRECISIONS[precision]
-
-    def micro_step(timings: Optional[list] = None, during_step=None):
-        inputs = make_inputs(model_name, batch_size, generator, image_size=image_size, device=device)
-        if impl in ("upstream", "exact", "upstream_hivemind", "exact_hivemind"):
-            opt.zero_grad()
-        with torch.autocast(device, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-            loss = model(inputs).float().square().mean()
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        step_start = time.perf_counter()
-        with during_step() if during_step is not None else _nothing():
-            if impl in ("native", "native_hivemind"):
-                pass
-            elif scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-        if timings is not None:
-            timings.append(time.perf_counter() - step_start)
+    loop = Loop(impl, model_name, batch_size, precision, device, image_size, target_batch_size)
+    model, opt, micro_step = loop.model, loop.opt, loop.micro_step
 
     micro_steps, no_sync_steps, loads, minor_faults, system_times = [], [], [], [], []
     try:
@@ -203,9 +229,7 @@ def run(
                 _synchronize(device)
                 loads.append(time.perf_counter() - start)
     finally:
-        if opt is not None:
-            opt.shutdown()
-            dht.shutdown()
+        loop.shutdown()
     return dict(
         impl=impl, model=model_name, precision=precision, device=device, params=sum(p.numel() for p in model.parameters()),
         tensors=len(list(model.parameters())), numels=[p.numel() for p in model.parameters()], batch_size=batch_size, image_size=image_size, threads=threads,

@@ -3,7 +3,7 @@ The GPU run's bookkeeping, checked on the CPU: the sweep records a failing worke
 after every worker, and the benchmark targets replay a saved sweep without measuring anew (fake workers); the kernel
 launch counts the CUDA targets are computed from (hand-computed cases, and the op count of exact mode's step); the
 main job's claims on synthetic rows (load, and reasons that agree with their numbers); the memory table's counts;
-the swarm benchmark's split of unused micro-steps and its tbf arguments.
+the swarm benchmark's split of unused micro-steps and its tbf arguments; the GPU protocol's paired ratios and verdicts.
 """
 import json
 import os
@@ -342,3 +342,28 @@ def test_exited_sender_filter_passes_every_other_record():
     assert keep(record("_run", FileNotFoundError(2, "No such file or directory")))  # not raised by resource_sharer
     assert keep(record("_run", RuntimeError("real")))
     assert keep(record("_run_coroutine", ConnectionResetError(104, "reset")))
+
+
+@pytest.mark.parametrize("interval, expected", [
+    ((1.00, 0.995, 1.01), "holds"), ((0.97, 0.96, 0.985), "falls short"), ((0.99, 0.98, 1.00), "undecided"),
+])
+def test_a_verdict_needs_the_whole_interval_on_one_side(interval, expected):
+    from benchmarks.intervals import verdict
+
+    assert verdict(interval, 0.99) == expected
+
+
+def test_protocol_ratios_are_paired_per_block_and_few_blocks_give_no_verdict():
+    from benchmarks.gpu_protocol import summarize
+
+    # native's time drifts 2x over the blocks; in place is always 1 % slower in its block, upstream 20 %
+    blocks = [dict(native=dict(time=t, main_cpu=0.001, other_cpu=0.0), inplace=dict(time=1.01 * t, main_cpu=0.001,
+                   other_cpu=0.0), upstream_reuse=dict(time=1.2 * t, main_cpu=0.001, other_cpu=0.002))
+              for t in [0.05 + 0.001 * i for i in range(50)]]
+    summary = summarize(blocks, ["native", "inplace", "upstream_reuse"], target=0.98, min_blocks=30)
+    median, low, high = summary["inplace"]["ratio"]
+    assert median == low == high == pytest.approx(1 / 1.01)
+    assert summary["inplace"]["verdict"] == "holds"
+    assert summary["upstream_reuse"]["ratio"][0] == pytest.approx(1 / 1.2) and summary["upstream_reuse"]["verdict"] is None
+    assert summary["upstream_reuse"]["other_cpu_ms"] == pytest.approx(2.0)
+    assert summarize(blocks[:29], ["native", "inplace"], target=0.98, min_blocks=30)["inplace"]["verdict"] == "undecided"
