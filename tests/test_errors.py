@@ -253,3 +253,24 @@ def test_optimizer_rejects_invalid_batch_size_per_step_at_construction(dht, batc
             params=torch.nn.Linear(3, 2).parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
         )
     assert not progress_trackers()  # raised before upstream's __init__ started anything
+
+
+@pytest.mark.forked
+def test_patched_hivemind_names_batch_size_per_step_not_batch_size(dht):
+    hivemind_accum.patch_hivemind()
+    try:
+        model = torch.nn.Linear(3, 2)
+        opt = hivemind.Optimizer(
+            dht=dht, run_id="bs_patched", target_batch_size=4, batch_size_per_step=0, params=model.parameters(),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1), verbose=False,
+        )
+        try:
+            model(torch.randn(1, 3)).sum().backward()
+            with pytest.raises(ValueError, match=r"^batch_size_per_step: expected a positive int .*got 0"):
+                opt.step()
+            opt.step(batch_size=1)  # an explicit batch size is still taken
+            assert opt.grad_averager.local_samples_accumulated == 1
+        finally:
+            opt.shutdown()
+    finally:
+        hivemind_accum.unpatch_hivemind()

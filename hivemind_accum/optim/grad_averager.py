@@ -228,7 +228,10 @@ class GradientAverager(upstream.GradientAverager):
           ``.grad`` was replaced by a tensor computed from the running sum (the message names the parameter)
         """
         if not is_positive_int(batch_size):
-            raise ValueError(f"batch_size: expected a positive int (samples in this micro-batch), got {batch_size!r}")
+            raise ValueError(
+                f"batch_size: expected a positive int (samples in this micro-batch), got {batch_size!r}; "
+                f"hivemind.Optimizer passes step(batch_size=...) or else its batch_size_per_step"
+            )
         if inv_grad_scale is not None and self.reuse_grad_buffers:
             raise ValueError(
                 "inv_grad_scale: with reuse_grad_buffers=True gradients are already in the accumulators and cannot be "
