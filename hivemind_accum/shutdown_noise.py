@@ -9,8 +9,10 @@ sender removes when it exits. When the sender has already exited, this raises ``
 drops the request. Nothing else is lost: no process waits for the request's result (UPSTREAM.md, "shutdown noise").
 """
 import logging
+import multiprocessing
 import os
 import traceback
+import warnings
 
 DHT_LOGGER = "hivemind.dht.dht"
 _SENDER_GONE = (FileNotFoundError, ConnectionRefusedError, ConnectionResetError)
@@ -30,8 +32,14 @@ class ExitedSenderFilter(logging.Filter):
 def silence_exited_sender_errors() -> None:
     """
     Add :class:`ExitedSenderFilter` to hivemind's DHT logger (once). Call it before starting a DHT: the DHT's process
-    is forked and inherits the filter.
+    is forked and inherits the filter; a DHT already running keeps logging these errors (a warning says so).
     """
+    from hivemind import DHT
+
+    running = sum(isinstance(process, DHT) for process in multiprocessing.active_children())
+    if running:
+        warnings.warn(f"silence_exited_sender_errors(): {running} DHT(s) already started keep logging these errors; "
+                      f"call it before DHT(start=True)", stacklevel=2)
     logger = logging.getLogger(DHT_LOGGER)
     if not any(isinstance(f, ExitedSenderFilter) for f in logger.filters):
         logger.addFilter(ExitedSenderFilter())

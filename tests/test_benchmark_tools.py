@@ -367,3 +367,34 @@ def test_protocol_ratios_are_paired_per_block_and_few_blocks_give_no_verdict():
     assert summary["upstream_reuse"]["ratio"][0] == pytest.approx(1 / 1.2) and summary["upstream_reuse"]["verdict"] is None
     assert summary["upstream_reuse"]["other_cpu_ms"] == pytest.approx(2.0)
     assert summarize(blocks[:29], ["native", "inplace"], target=0.98, min_blocks=30)["inplace"]["verdict"] == "undecided"
+
+
+def test_main_job_work_table_says_what_its_x_native_ratios_are():
+    from benchmarks.main_job.report import work_section
+
+    rows = [dict(label=label, params=10**6, tensors=2, micro_step_ms=ms, x_native=ms / 10.0)
+            for label, ms in (("native", 10.0), ("accum exact", 11.0), ("accum in place", 8.5))]
+    quiet = work_section(rows).splitlines()
+    assert quiet[-2] == "x native below 1: accum in place 0.850" and "noise between processes" in quiet[-1]
+    loaded = work_section(rows, "not judged: the machine was loaded (1-minute load average 7.0 on 2 cores)")
+    assert "0.850" not in loaded and "1.100" not in loaded
+    assert loaded.splitlines()[-1] == "x native left out: the machine was loaded (1-minute load average 7.0 on 2 cores)"
+
+
+@pytest.mark.forked
+def test_silencing_after_a_dht_started_warns_that_it_keeps_logging():
+    import warnings
+
+    import hivemind
+
+    import hivemind_accum
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hivemind_accum.silence_exited_sender_errors()  # before any DHT: silent
+    dht = hivemind.DHT(start=True)
+    try:
+        with pytest.warns(UserWarning, match=r"1 DHT\(s\) already started keep logging these errors; call it before"):
+            hivemind_accum.silence_exited_sender_errors()
+    finally:
+        dht.shutdown()

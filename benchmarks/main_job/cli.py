@@ -170,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         load["after_work"] = machine_load()
         seconds["work"] = time.perf_counter() - started
         progress("")
-        print("\n" + work_section(work_rows), flush=True)
+        print("\n" + work_section(work_rows, loaded([load["start"], load["after_work"]])), flush=True)
     training_rows = summarize_training(train_all(args, run_dir, progress, seconds))
     progress("")
     if training_rows:

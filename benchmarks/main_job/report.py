@@ -69,10 +69,26 @@ def format_claims(claims: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def work_section(rows: Sequence[Dict[str, Any]]) -> str:
-    """the work table under its title"""
+def work_section(rows: Sequence[Dict[str, Any]], load: Optional[str] = None) -> str:
+    """
+    The work table under its title. Its ``x native`` ratios come from one process per mode, whose spread between
+    processes is larger than the gaps between modes: a ratio below 1 gets a line saying so, and on a loaded machine
+    the ratios are left out.
+
+    :param load: :func:`benchmarks.main_job.claims.loaded` of the work section's samples
+    """
+    notes = []
+    if load:
+        rows = [dict(row, x_native=None) for row in rows]
+        notes.append(f"x native left out: {load.replace('not judged: ', '')}")
+    elif any(row.get("x_native") is not None and row["x_native"] < 1 for row in rows):
+        faster = ", ".join(f"{row['label']} {row['x_native']:.3f}" for row in rows
+                           if row.get("x_native") is not None and row["x_native"] < 1)
+        notes += [f"x native below 1: {faster}", "  one process per mode: within the noise between processes; "
+                  "python -m benchmarks.host_cpu compares modes"]
     return (f"Work per no-sync micro-step, one process per mode in turn ({rows[0]['params'] / 1e6:.1f} M "
-            f"parameters in {rows[0]['tensors']} tensors; fp32 unless fp16):\n{format_table(rows, WORK_COLUMNS)}")
+            f"parameters in {rows[0]['tensors']} tensors; fp32 unless fp16):\n{format_table(rows, WORK_COLUMNS)}"
+            + "".join(f"\n{note}"[:WIDTH + 1] for note in notes))
 
 
 def training_section(config: Dict[str, Any], rows: Sequence[Dict[str, Any]]) -> str:
@@ -116,15 +132,14 @@ def render(report: Dict[str, Any], log_dir: str) -> List[str]:
     from benchmarks.main_job.claims import loaded
 
     parts = [LEGEND]
+    load = report.get("load")
+    reason = loaded([load["start"], load.get("after_work", load["start"])]) if load else None
     if report["work"]:
-        parts.append("\n" + work_section(report["work"]))
+        parts.append("\n" + work_section(report["work"], reason))
     if report["training"]:
         parts.append("\n" + training_section(report["config"], report["training"]))
-    load = report.get("load")
-    reason = None
     if load:
         parts.append("\n" + load_line(load))
-        reason = loaded([load["start"], load.get("after_work", load["start"])])
     parts.append("\n" + claims_section(report["claims"], reason) + "\n")
     parts += describe_logs(log_dir, report["log"])
     return "\n".join(parts).split("\n")
@@ -161,6 +176,8 @@ def describe_logs(log_dir: str, counts: Dict[str, Any], what: str = "hivemind's 
     reasons = dict(KNOWN_ERRORS)
     errors = "" if counts["errors"] else ", no [ERROR]"
     lines = [f"{what}: {log_dir} ({counts['destroyed']} x 'Task was destroyed'{errors})"]
+    if counts["destroyed"]:
+        lines.append("  'Task was destroyed': asyncio tasks hivemind leaves pending when a process exits; harmless")
     for text, count in sorted(counts["errors"].items(), key=lambda item: -item[1]):
         lines.append(f"  {count} x [ERROR] '{text}': {reasons.get(text, 'not explained: please report it')}"[:WIDTH])
     return lines
