@@ -4,7 +4,9 @@ rounds run late: hivemind's defaults, a short ``averaging_timeout``, and links r
 namespaces and ``tc tbf``: needs root), each with and without ``delay_grad_averaging``. Every setting runs the swarm of
 :mod:`benchmarks.swarm_training` for both implementations and each seed, and the table counts, over all peers, how
 many optimizer steps used each micro-step, splitting the unused ones into dropped by a state download (hivemind's
-rule), unfinished and lost.
+rule), unfinished and lost; and the samples the peers hand to a round per epoch (median over runs; the target is 96):
+how far past the target the swarm goes before its peers notice it. ``hivemind_accum`` runs as
+``hivemind_accum.Optimizer``, its progress tracker included.
 
     python -m benchmarks.swarm_accounting --seeds 3 --epochs 15     # needs root for the rate-limited settings
 
@@ -12,6 +14,7 @@ Writes every run to ``--output`` (JSON) and prints the table as markdown (docs/f
 """
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -33,18 +36,21 @@ def tally(runs: List[Dict[str, Any]]) -> Dict[str, int]:
     counts["used_more"] = sum(sum(peer["used"][3:]) for peer in peers)
     counts.update({why: sum(peer["unused"][why] for peer in peers) for why in ("download", "unfinished", "lost")})
     counts["incomplete_runs"] = sum(not run["complete"] for run in runs)
+    # how far past the target the swarm accumulates before its peers begin a round: how late they notice it
+    counts["samples_per_epoch"] = statistics.median(
+        sum(sum(peer["weights"]) for peer in run["peers"]) / run["config"]["epochs"] for run in runs)
     return counts
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
     lines = ["| setting | delay | implementation | micro-steps used 0 / 1 / 2 times | unused: download / unfinished "
-             "/ lost | used twice or more |", "|---|---|---|---|---|---|"]
+             "/ lost | used twice or more | samples handed to a round per epoch |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         c = row["counts"]
         lines.append(
             f"| {row['setting']} | {'yes' if row['delay'] else 'no'} | {row['implementation']} | "
             f"{c['used_0']} / {c['used_1']} / {c['used_2']} | {c['download']} / {c['unfinished']} / {c['lost']} | "
-            f"{c['used_2'] + c['used_more']} |"
+            f"{c['used_2'] + c['used_more']} | {c['samples_per_epoch']:.0f} |"
         )
     return "\n".join(lines)
 

@@ -233,10 +233,10 @@ def run_peer(config: SwarmConfig, index: int, initial_peers, results, link: Opti
     options = isolate(link, f"peer{index}")
     import hivemind
 
-    if config.implementation == "hivemind_accum":
-        import hivemind_accum
+    import hivemind_accum
 
-        hivemind_accum.patch_hivemind()
+    # hivemind_accum.Optimizer (every change of the package, its progress tracker included) or upstream's
+    optimizer_cls = hivemind_accum.Optimizer if config.implementation == "hivemind_accum" else hivemind.Optimizer
     torch.set_num_threads(1)
     rng = random.Random(config.seed * 1000 + index)
     batch_size = rng.randint(config.batch_size_min, config.batch_size_max)
@@ -255,7 +255,7 @@ def run_peer(config: SwarmConfig, index: int, initial_peers, results, link: Opti
     else:
         optimizer = dict(params=params, optimizer=partial(torch.optim.SGD, lr=config.lr), scheduler=scheduler,
                          delay_grad_averaging=config.delay_grad_averaging, delay_optimizer_step=True)
-    opt = hivemind.Optimizer(
+    opt = optimizer_cls(
         dht=dht, run_id=f"swarm_{config.implementation}_{config.seed}", target_batch_size=config.target_batch_size,
         batch_size_per_step=batch_size, tracker_opts=dict(max_refresh_period=config.max_refresh_period),
         matchmaking_time=config.matchmaking_time, averaging_timeout=config.averaging_timeout,

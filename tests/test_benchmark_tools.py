@@ -264,16 +264,17 @@ def test_swarm_training_splits_unused_micro_steps_by_why():
 def test_swarm_accounting_tallies_every_peer():
     from benchmarks.swarm_accounting import table, tally
 
-    def peer(used, download, lost):
-        return dict(used=used, unused=dict(download=download, unfinished=0, lost=lost))
+    def peer(used, download, lost, weights):
+        return dict(used=used, unused=dict(download=download, unfinished=0, lost=lost), weights=weights)
 
-    runs = [dict(complete=True, peers=[peer([3, 10, 1, 0], 2, 1), peer([0, 8, 0, 1], 0, 0)]),
-            dict(complete=False, peers=[peer([1, 5, 0, 0], 1, 0)])]
+    runs = [dict(complete=True, config=dict(epochs=2), peers=[peer([3, 10, 1, 0], 2, 1, [60, 50]),
+                                                             peer([0, 8, 0, 1], 0, 0, [40, 50])]),
+            dict(complete=False, config=dict(epochs=1), peers=[peer([1, 5, 0, 0], 1, 0, [120])])]
     counts = tally(runs)
     assert counts == dict(used_0=4, used_1=23, used_2=1, used_more=1, download=3, unfinished=0, lost=1,
-                          incomplete_runs=1)
+                          incomplete_runs=1, samples_per_epoch=110)  # the median of 100 and 120
     row = table([dict(setting="(a) defaults", delay=True, implementation="ours", counts=counts)]).splitlines()[-1]
-    assert row == "| (a) defaults | yes | ours | 4 / 23 / 1 | 3 / 0 / 1 | 2 |"
+    assert row == "| (a) defaults | yes | ours | 4 / 23 / 1 | 3 / 0 / 1 | 2 | 110 |"
 
 
 @pytest.mark.parametrize("verbose", [False, True])
