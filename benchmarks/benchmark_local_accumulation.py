@@ -1,7 +1,7 @@
 """
 The main job: ``python benchmarks/benchmark_local_accumulation.py [--verbose] [--models large]`` from the repository
 root. It prints one screen comparing hivemind_accum with upstream hivemind 1.1.12 and native PyTorch accumulation;
-the code is in :mod:`benchmarks.main_job`, the explanation in docs/benchmarks.md.
+the code is in :mod:`benchmarks.main_job`, the explanation in docs/measurement.md#the-main-job.
 """
 import sys
 from pathlib import Path

@@ -1,10 +1,10 @@
 """
-The parts of two fixed costs, measured in one process (docs/floor-costs.md), in CPU time of the calling thread
+The parts of two fixed costs, measured in one process (docs/measurement.md), in CPU time of the calling thread
 (``time.thread_time``, less disturbed than wall time by other processes on a shared machine), one torch thread:
 
 - ``load``: ways to load 100 M float32 elements (760 tensors' worth) into a shared buffer scaled by ``1 / K`` and
   decide whether they are finite: upstream's per-tensor ``copy_`` and ``mul_``; one ``torch.mul(out=)``; that plus a
-  separate ``sum`` (the check before docs/floor-costs.md); a copy then ``_amp_foreach_non_finite_check_and_unscale_``
+  separate ``sum`` (the check before the chunked load); a copy then ``_amp_foreach_non_finite_check_and_unscale_``
   over the whole buffer; and chunk by chunk (mul then sum, or copy then the amp kernel) for several chunk sizes.
 - ``no-sync``: the calls of one no-sync ``step()`` of ``hivemind.Optimizer`` / ``hivemind_accum.Optimizer`` on
   ``mlp-200x16`` (400 tensors), each timed alone, and reading ``.grad`` of its 400 parameters.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurement in one command of at most 8 minutes (docs/gpu.md gives the device call). On a CUDA machine:
+# The GPU measurement in one command of at most 8 minutes (docs/measurement.md#the-command). On a CUDA machine:
 #
 #   benchmarks/gpu_run.sh OUTDIR          every stage below; their time limits add to 480 s
 #   benchmarks/gpu_run.sh OUTDIR --quick  when little device time is left: stage 1 on ResNet-152 alone (190 s)

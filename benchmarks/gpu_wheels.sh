@@ -5,8 +5,8 @@
 #   benchmarks/gpu_wheels.sh            for the GPU machine's Python (default PY_VERSION=3.12), x86_64 Linux
 #
 # The list is hivemind 1.1.12's dependency closure and the test tools, less what an image with torch, numpy, scipy,
-# msgpack, uvloop, grpcio and pytest-timeout already holds (docs/gpu.md); pytest is pinned to 8 (pytest-forked breaks
-# under pytest 9) and protobuf to the release hivemind's generated modules were checked with here.
+# msgpack, uvloop, grpcio and pytest-timeout already holds (docs/measurement.md); pytest is pinned to 8
+# (pytest-forked breaks under pytest 9) and protobuf to the release hivemind's generated modules were checked with here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY_VERSION=${PY_VERSION:-3.12}

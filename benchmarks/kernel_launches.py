@@ -7,7 +7,7 @@ into chunks of :data:`CHUNK_SIZE` elements, one block each; empty tensors are le
 blocks fill up, or when the tensors fill up and the last one's chunks are all placed; a tensor whose chunks do not fit
 goes on into the next launch. How many tensors and blocks a launch holds depends on the op's depth (the number of
 tensor lists: 1 for zero and unscale, 2 for add and copy) and on the kernel argument size. Why this matters and
-the counts on the report's models: docs/kernel-launches.md.
+the counts on the report's models: docs/measurement.md#kernel-launches.
 
 Run ``python -m benchmarks.kernel_launches`` for the counts on ResNet-152 and ConvNeXt-Large.
 """

@@ -8,7 +8,7 @@ accumulators), ``accumulators`` (the rest the averager owns: accumulators, stagi
 parameter element, so the table holds for any model of the same dtypes. On an accelerator, ``.grad`` and the
 accumulators live on the device (unless ``accumulate_grads_on="cpu"``), the shared buffers on the host.
 
-Run ``python -m benchmarks.memory_table`` for the table in docs/modes.md.
+Run ``python -m benchmarks.memory_table`` for the table in docs/guide.md#memory-held-between-micro-steps.
 """
 import dataclasses
 from typing import Dict, Iterable, Iterator

@@ -13,7 +13,7 @@ object (times in seconds, memory in bytes). Implementations:
 - ``exact``: ``hivemind_accum.Optimizer`` (``reuse_grad_buffers=False``), same loop as upstream;
 - ``inplace``: ``hivemind_accum.Optimizer(reuse_grad_buffers=True)``, no ``zero_grad``;
 - ``exact_hivemind`` and ``upstream_hivemind``: ``exact`` and ``upstream`` with ``hivemind.GradScaler`` under fp16:
-  hivemind#566's own configuration (docs/gpu.md), which ``benchmarks/gpu_run.sh`` measures first;
+  hivemind#566's own configuration (docs/measurement.md#on-a-gpu), which ``benchmarks/gpu_run.sh`` measures first;
 - ``native_hivemind`` (a control, not in the sweep's default set): native accumulation in a process that also holds a
   started ``hivemind_accum.Optimizer`` (exact mode, never stepped): what hivemind's presence alone costs a micro-step.
 

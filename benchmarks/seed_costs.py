@@ -10,7 +10,7 @@ the accelerator's loss-scaling path forced.
   least one per parameter tensor, exact mode the fused ops' launches (``benchmarks.kernel_launches``, 4 KB kernel
   arguments) plus its other ops;
 - gradient bytes read and written per parameter element (float32 ``.grad`` and accumulators), from the ops each step
-  runs (docs/gpu.md).
+  runs (docs/measurement.md#on-a-gpu).
 
 Run: ``python -m benchmarks.seed_costs`` (about a minute on 2 CPU cores).
 """

@@ -10,7 +10,7 @@ how far past the target the swarm goes before its peers notice it. ``hivemind_ac
 
     python -m benchmarks.swarm_accounting --seeds 3 --epochs 15     # needs root for the rate-limited settings
 
-Writes every run to ``--output`` (JSON) and prints the table as markdown (docs/failed-rounds.md).
+Writes every run to ``--output`` (JSON) and prints the table as markdown (docs/measurement.md#swarms).
 """
 import argparse
 import json

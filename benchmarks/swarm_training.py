@@ -15,7 +15,7 @@ swarm; implementations alternate within a seed, so machine load affects both ali
     python -m benchmarks.swarm_training --seeds 3 --link-mbit 1       # each peer behind a 1 Mbit/s link (root)
 
 With ``--link-mbit`` each peer, and the bootstrap DHT, runs in a network namespace of its own behind a link
-rate-limited both ways (``benchmarks/links.py``, docs/failed-rounds.md).
+rate-limited both ways (``benchmarks/links.py``, docs/measurement.md#swarms).
 
 Writes a JSON with every run (final loss, per-peer round counts: began, averaged, fell back to local gradients,
 state downloads; round durations; the micro-steps no optimizer step used, split into dropped by a state download,

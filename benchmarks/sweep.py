@@ -4,7 +4,7 @@ markdown table and hivemind#566's two figures.
 
 Processes alternate between implementations round by round; every number is a median over all measured micro-steps
 of all rounds. Every worker runs with the allocator settings :data:`MALLOC_ENV`. Why, and how each number is
-measured: docs/benchmarks.md. The JSON and markdown are rewritten after every worker; a worker that fails or runs past
+measured: docs/measurement.md. The JSON and markdown are rewritten after every worker; a worker that fails or runs past
 ``--worker-timeout`` is recorded there and skipped (the exit status is then 1). ``--merge`` adds to saved results.
 
 A model name may carry a precision, ``<model>:<precision>`` with precision ``fp32`` (default), ``bf16`` or ``fp16``
@@ -12,7 +12,7 @@ A model name may carry a precision, ``<model>:<precision>`` with precision ``fp3
 
 Run: ``python -m benchmarks.sweep`` (all sizes; about 10 minutes on 2 CPU cores), ``--help`` for options. On a GPU,
 ``--device cuda --preset report`` runs hivemind#566's setting; ``benchmarks/gpu_run.sh`` is the prepared command
-(docs/gpu.md).
+(docs/measurement.md#on-a-gpu).
 """
 import argparse
 import json

@@ -1,5 +1,5 @@
 """
-pytest-benchmark targets for the fixed costs left at the floor (docs/floor-costs.md): ``pytest
+pytest-benchmark targets for the fixed costs left at the floor (docs/measurement.md#floor-costs): ``pytest
 benchmarks/test_floor_costs.py --benchmark-only`` (CPU; about 10 minutes on 2 cores). Samples come from fresh worker
 processes alternating between implementations (:func:`benchmarks.sweep.run_sweep`), as in
 ``benchmarks/test_local_accumulation.py``; each benchmark of this package's modes asserts its target on medians:

@@ -115,6 +115,6 @@ def test_cuda_work_and_memory(sweep_results, model, impl):
         grad_bytes = 4 * run["params"]  # float32 parameters
         if impl == "inplace":
             assert run["peak_device_bytes"] <= 1.01 * native["peak_device_bytes"], (run["peak_device_bytes"], native)
-        else:  # the accumulators (docs/modes.md): float32 .grad is unscaled in place, no staging buffer
+        else:  # the accumulators (docs/guide.md): float32 .grad is unscaled in place, no staging buffer
             assert run["peak_device_bytes"] <= 1.01 * native["peak_device_bytes"] + grad_bytes, (
                 run["peak_device_bytes"], native["peak_device_bytes"], grad_bytes)

@@ -241,7 +241,7 @@ def test_main_job_outside_step_reason_agrees_with_its_numbers():
     ("in place", torch.float16, (2, 0, 2)),
 ])
 def test_memory_table_counts_each_buffer_once(dht, label, dtype, expected):
-    """docs/modes.md's memory table: bytes per parameter element in .grad, accumulators and staging, shared buffers"""
+    """docs/guide.md's memory table: bytes per parameter element in .grad, accumulators and staging, shared buffers"""
     configuration = next(c for c in memory_table.CONFIGURATIONS if c[0] == label)
     held = memory_table.measure(dht, *configuration, dtype)
     # in place keeps three float32 drop counters besides the views: 12 bytes over the MLP's 10 384 elements

@@ -223,7 +223,7 @@ def check_steps(config: Config, rank: int, handed: List[List[torch.Tensor]]) -> 
     assert handed, f"{config}: peer {rank}'s torch optimizer never stepped"
     if config.delay_grad_averaging:
         # the last round runs in the background while both peers leave their loop; on a loaded machine (two busy loops
-        # on 2 cores) it ended as a per-part mixture in 3 of 6 runs (docs/faults.md), here and before the round-keyed
+        # on 2 cores) it ended as a per-part mixture in 3 of 6 runs (docs/guide.md), here and before the round-keyed
         # fallback alike: checked are the rounds before it
         handed = handed[:-1]
         assert handed, f"{config}: peer {rank}'s torch optimizer stepped only after the last round"

@@ -1,18 +1,18 @@
 """
 The main job's claims: one per comparison, with the two numbers, whether it holds and, if not, why.
 
-Targets come from ``benchmarks/test_local_accumulation.py``; tolerances are explained in docs/benchmarks.md.
+Targets come from ``benchmarks/test_local_accumulation.py``; tolerances are explained in docs/measurement.md.
 """
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from benchmarks.main_job.common import MODES
 
-ACCURACY_TOLERANCE = 0.2  # five idle runs of one hivemind mode here differed by up to 0.19 (docs/benchmarks.md)
+ACCURACY_TOLERANCE = 0.2  # five idle runs of one hivemind mode here differed by up to 0.19 (docs/measurement.md)
 GRAD_ERROR_TOLERANCE = 1e-5  # float32 rounding of a sum of a few micro-batches is about 1e-7
 IN_PLACE_TARGET, EXACT_TARGET = 1.03, 1.15  # micro-step x native targets (benchmarks/test_local_accumulation.py)
 FP16_EXACT_PARITY = 1.10  # exact no-sync step with fp16 loss scaling on CPU vs upstream's (same file: a tie there)
-PROCESS_NOISE = 0.35  # two step-free modes' micro-steps differed by up to 34 % in one run (docs/benchmarks.md)
+PROCESS_NOISE = 0.35  # two step-free modes' micro-steps differed by up to 34 % in one run (docs/measurement.md)
 UNEXPECTED = "unexpected: rerun; if it persists, report it with the JSON"
 
 

@@ -3,7 +3,7 @@ The main job: hivemind_accum against upstream hivemind 1.1.12 and native PyTorch
 
 It prints a work table (one micro-step per mode), a training table (two peers on loopback learning scikit-learn's
 digits), one line per claim and a reason under each claim that does not hold. Per-run detail goes to the JSON.
-What each column means and how it is measured: docs/benchmarks.md.
+What each column means and how it is measured: docs/measurement.md.
 
 Run from the repository root: ``python benchmarks/benchmark_local_accumulation.py [--verbose] [--models large]``.
 """
@@ -207,4 +207,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parts = ", ".join(f"{name} {value:.0f} s" for name, value in seconds.items())
     if args.output is not None:
         print(f"JSON with per-run detail: {output}")
-    print(f"total wall time {wall_seconds:.0f} s ({parts}); docs/benchmarks.md explains every number", flush=True)
+    print(f"total wall time {wall_seconds:.0f} s ({parts}); docs/measurement.md explains every number", flush=True)

@@ -1,7 +1,7 @@
 """
 Sections 2 to 4 of the main job: two hivemind peers on loopback train the digits CNN in each mode.
 
-The native baseline runs as two processes at once, as loaded as the two peers. How and why: docs/benchmarks.md.
+The native baseline runs as two processes at once, as loaded as the two peers. How and why: docs/measurement.md.
 """
 import multiprocessing as mp
 import os

@@ -1,7 +1,7 @@
 """
 Section 1 of the main job: what one micro-step costs in each mode, each mode alone in its own fresh process.
 
-How and why it is measured: docs/benchmarks.md.
+How and why it is measured: docs/measurement.md#the-main-job.
 """
 import contextlib
 import multiprocessing as mp
@@ -78,7 +78,7 @@ def accumulator_bytes(mode: Mode, opt: Optional[hivemind.Optimizer], model: nn.M
 def fallback_bytes(mode: Mode, model: nn.Module, opt) -> int:
     """host bytes hivemind_accum holds for the failed-round fallback in this configuration: a copy of the gradients
     (float32 for fp16/bf16 parameters) with ``delay_grad_averaging=True``, none without it (the fallback reads the
-    accumulators, see docs/failed-rounds.md)"""
+    accumulators, see docs/guide.md#failed-rounds)"""
     if mode.optimizer != "hivemind_accum" or not opt.delay_grad_averaging:
         return 0
     return sum(p.numel() * max(p.element_size(), 4) for p in model.parameters())

@@ -41,7 +41,7 @@ class GradientAverager(upstream.GradientAverager):
     Accumulates gradients in persistent flat on-device buffers and aggregates them with peers.
 
     Same constructor, methods and attributes as :class:`hivemind.optim.grad_averager.GradientAverager`, with two
-    accumulation modes (docs/modes.md):
+    accumulation modes (docs/guide.md#two-modes):
 
     - exact (``reuse_grad_buffers=False``, default): the same accumulators, averaged gradients and averaging weight
       as hivemind 1.1.12; one fused add per (device, dtype) bucket per micro-step; ``.grad`` stays the user's;
@@ -51,7 +51,7 @@ class GradientAverager(upstream.GradientAverager):
     The averaged (all-reduced) buffers have the parameters' dtype, as upstream's, so peers of hivemind 1.1.12 and of
     this package average together; ``averaged_grads_dtype=torch.float32`` averages fp16/bf16 gradients in float32
     instead. Peers average only with peers whose averaged buffers match (the schema hash): a peer that meets one that
-    chose differently logs a WARNING naming the argument, once (docs/mixed-precision.md).
+    chose differently logs a WARNING naming the argument, once (docs/guide.md#fp16-and-bf16-parameters).
 
     :param parameters: pytorch parameters for which to aggregate gradients: dense float tensors on any devices and
       dtypes; the accumulators form one flat buffer per (device, dtype) group
@@ -215,7 +215,7 @@ class GradientAverager(upstream.GradientAverager):
         In-place mode: autograd already accumulated into the views. A ``.grad`` that was set to None or replaced since
         the previous call is added into its accumulator and the view re-attached, so nothing is lost or counted twice,
         ``backward(create_graph=True)`` included; a ``.grad`` computed from the running sum (``p.grad = p.grad * c``)
-        raises instead of counting the sum twice (docs/modes.md).
+        raises instead of counting the sum twice (docs/guide.md#what-the-checks-see).
 
         :param batch_size: number of samples in this micro-batch, a positive integer
         :param inv_grad_scale: optional 0-dim float32 tensor on any device, ``1 / loss_scale`` of this micro-step's

@@ -246,7 +246,7 @@ class GradientBuckets:
         ``torch.amp.GradScaler.unscale_`` does) and added by a fused kernel that skips the add on overflow, two passes
         and no buffer; other buckets copy their sources into a staging buffer, kept from the first call on, then
         unscale, mask and add it. All paths give bit-identical sums for power-of-two scales and ``alpha``
-        (docs/mixed-precision.md).
+        (docs/guide.md#no-host-read-per-micro-step).
 
         :param sources: as in :meth:`add_`
         :param inv_scale: 0-dim floating-point tensor of any float dtype, ``1 / loss_scale`` (``1.0`` for already
@@ -316,7 +316,7 @@ class GradientBuckets:
 
 
 # elements per chunk of the averaging-time load's checksums: a chunk of the destination and of the source (float32: 2 x
-# 1 MiB) stay in a core's L2 or L3 cache between the write and the sum (see docs/floor-costs.md)
+# 1 MiB) stay in a core's L2 or L3 cache between the write and the sum (see docs/measurement.md#floor-costs)
 CHECK_CHUNK = 1 << 18
 
 

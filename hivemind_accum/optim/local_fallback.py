@@ -11,7 +11,7 @@ into pinned memory without blocking. In in-place mode the next backward pass add
 so a round's local gradients are copied out as soon as the round begins.
 
 Each round is kept under its own key, so a round's fallback that comes after the next round began (it waited for the
-averager's lock) loads that round's gradients, not the next one's; at most two rounds are kept (docs/failed-rounds.md).
+averager's lock) loads that round's gradients, not the next one's; at most two rounds are kept (docs/guide.md).
 """
 import contextlib
 import threading

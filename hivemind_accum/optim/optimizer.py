@@ -160,7 +160,7 @@ class Optimizer(upstream.Optimizer):
         """
         Update training progress after accumulating another local batch size. Depending on the configuration, this
         will report progress to peers, run global or local optimizer step, average parameters or schedule background
-        tasks. Loss scaling never synchronizes with an accelerator in the no-sync step (docs/mixed-precision.md):
+        tasks. Loss scaling never synchronizes with an accelerator in the no-sync step (docs/guide.md):
 
         - exact mode, ``torch.amp.GradScaler`` or ``hivemind.GradScaler``: each micro-step is unscaled and checked as it
           is accumulated; one that overflows is dropped whole, its samples leave this peer's progress, and the scale

@@ -26,7 +26,7 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
     them into its error-feedback buffers when the all-reduce starts, so applying them now would count them twice.
     This peer's inf/NaN gradients go out as zeros with weight 0, and such a round leaves its error feedback as it was
     (:meth:`_aggregate_with_group`); error feedback and ``Q`` left non-finite by a round are reset before the next one
-    (:meth:`discard_nonfinite_round_`; docs/faults.md).
+    (:meth:`discard_nonfinite_round_`; docs/guide.md#what-the-guard-does-not-cover).
     """
 
     keep_local_fallback = False

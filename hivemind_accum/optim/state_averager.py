@@ -48,7 +48,7 @@ class TrainingStateAverager(upstream.TrainingStateAverager, _FiniteStateDownload
     - a peer whose parameters or optimizer statistics hold inf/NaN joins the all-reduce with zeros and weight 0;
     - a non-finite averaged result is not taken: the peer keeps its own tensors;
     - after :meth:`hold_back_` the next round is joined with weight 0;
-    - a non-finite state is neither shared with a downloading peer nor taken from one (docs/faults.md).
+    - a non-finite state is neither shared with a downloading peer nor taken from one (docs/guide.md#non-finite-peers).
     """
 
     def __init__(self, **kwargs):
