@@ -21,6 +21,7 @@ from hivemind_accum.upstream.stack import PULL_REQUESTS, PULL_REQUESTS_DIR, writ
 
 BIN = Path(sys.executable).parent
 GIT = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
+AUTHOR = "Test Contributor <contributor@example.com>"
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def hivemind_tree(tmp_path_factory):
     """the generated pull requests, and a git repository whose first commit holds the installed hivemind package"""
     root = tmp_path_factory.mktemp("pull_requests")
     prs = root / "prs"
-    write_pull_requests(installed_hivemind(), prs)
+    write_pull_requests(installed_hivemind(), prs, AUTHOR)
     tree = root / "hivemind"
     shutil.copytree(installed_hivemind(), tree / "hivemind", ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(GIT + ["init", "-q", "-b", "master"], cwd=tree, check=True)
@@ -63,6 +64,14 @@ def test_every_pull_request_has_a_test_and_a_description():
     for pr in PULL_REQUESTS:
         assert pr.test_files, pr.slug
         assert (pr.folder / "description.md").read_text().startswith("# "), pr.slug
+
+
+def test_generator_needs_an_author(tmp_path):
+    """no placeholder identity: without --author the generator stops, says how to set it and writes nothing"""
+    run = subprocess.run([sys.executable, "-m", "hivemind_accum.upstream", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and '--author "Your Name <you@example.com>"' in run.stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("pr", PULL_REQUESTS, ids=lambda pr: pr.slug)

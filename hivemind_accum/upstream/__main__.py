@@ -4,7 +4,8 @@ import sys
 from pathlib import Path
 
 from hivemind_accum.upstream import (
-    DEFAULT_AUTHOR,
+    AUTHOR_REQUIRED,
+    STACK_AUTHOR,
     SUPPORTED_VERSION,
     GenerationError,
     generate,
@@ -29,11 +30,13 @@ def main(argv=None) -> int:
         "is written: the checkout has its own packaging)",
     )
     parser.add_argument(
-        "--author",
-        help=f"'Name <email>' for the pull requests' commits (default: your git user.name and user.email, else "
-        f"{DEFAULT_AUTHOR})",
+        "--author", metavar='"NAME <EMAIL>"',
+        help="required: the author of the pull requests' and the series' commits (the contributor who sends them)",
     )
     args = parser.parse_args(argv)
+    if not args.author or STACK_AUTHOR.fullmatch(args.author) is None:
+        print(f"error: {AUTHOR_REQUIRED}", file=sys.stderr)
+        return 2
     try:
         upstream_dir = source_package(args.hivemind_src) if args.hivemind_src else installed_hivemind()
         patches = generate(args.out, upstream_dir, from_source=args.hivemind_src is not None, author=args.author)

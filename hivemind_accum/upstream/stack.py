@@ -16,13 +16,12 @@ import tempfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from hivemind_accum.upstream.fixes import FIXES, Fix, FixError, apply_fix
 
 PULL_REQUESTS_DIR = Path(__file__).resolve().parent / "pull_requests"
 OUR_OPTIM = Path(__file__).resolve().parent.parent / "optim"
-DEFAULT_AUTHOR = "hivemind-accum contributors <hivemind-accum@users.noreply.github.com>"
 COMMIT_DATE = "2026-12-04T00:00:00+00:00"  # fixed, so that the same sources give the same patches
 
 
@@ -580,20 +579,18 @@ class StackError(Exception):
 
 
 def write_pull_requests(
-    package_dir: Path, out: Path, author: Optional[str] = None, pull_requests: Sequence[PullRequest] = PULL_REQUESTS
+    package_dir: Path, out: Path, author: str, pull_requests: Sequence[PullRequest] = PULL_REQUESTS
 ) -> Dict[str, List[Path]]:
     """
     Write ``out/NN-slug/`` for each pull request: its ``git format-patch`` series and ``description.md``.
 
     :param package_dir: hivemind's package directory (``.../hivemind``) the patches are made against
     :param out: the folder that receives one folder per pull request (replaced if present)
-    :param author: "Name <email>" for the commits; default: the caller's git identity (``git config user.name``,
-      ``user.email``), else DEFAULT_AUTHOR
+    :param author: "Name <email>" for the commits: the contributor who sends them (required, no default)
     :returns: the patch files, by slug
     :raises StackError: an edit does not match hivemind's text, or a prerequisite is unknown
     """
     by_slug = {pr.slug: pr for pr in pull_requests}
-    author = author or _git_identity() or DEFAULT_AUTHOR
     if out.exists():
         shutil.rmtree(out)
     written = {}
@@ -661,17 +658,8 @@ def _wrap(text: str) -> str:
     return textwrap.fill(" ".join(text.split()), width=72, break_on_hyphens=False)
 
 
-def _git_identity() -> Optional[str]:
-    """the caller's git identity as "Name <email>", if both are configured"""
-    values = []
-    for key in "user.name", "user.email":
-        result = subprocess.run(["git", "config", key], capture_output=True, text=True)
-        values.append(result.stdout.strip() if result.returncode == 0 else "")
-    return f"{values[0]} <{values[1]}>" if all(values) else None
-
-
 def _git_env(author: str) -> Dict[str, str]:
-    match = re.fullmatch(r"\s*(.+?)\s*<([^>]+)>\s*", author)
+    match = re.fullmatch(r"\s*(.+?)\s*<([^>]+)>\s*", author or "")
     if match is None:
         raise StackError(f"author {author!r}: expected 'Name <email>'")
     name, email = match.groups()
