@@ -328,42 +328,6 @@ POWER_SGD_FLOAT32_ERROR_FEEDBACK = Edit(
     ),
 )
 
-NONFINITE_STEP_SKIP = Edit(
-    path="optim/state_averager.py",
-    old=(
-        "                        if grad_scaler is None:\n"
-        "                            self.optimizer.step()\n"
-    ),
-    new=(
-        "                        if grad_scaler is None:\n"
-        "                            if self._grads_are_finite():\n"
-        "                                self.optimizer.step()\n"
-        "                            else:\n"
-        "                                logger.warning(\"Skipping optimizer step: gradients contain inf or NaN\")\n"
-    ),
-)
-
-NONFINITE_STEP_CHECK = Edit(
-    path="optim/state_averager.py",
-    old="    @torch.no_grad()\n    def _load_local_grads_into_optimizer_(self):\n",
-    new=(
-        "    @torch.no_grad()\n"
-        "    def _grads_are_finite(self) -> bool:\n"
-        "        \"\"\"Check that the optimizer's gradients contain no inf or NaN, with one host read per device\"\"\"\n"
-        "        sums_by_device = {}\n"
-        "        for param in chain.from_iterable(group[\"params\"] for group in self.optimizer.param_groups):\n"
-        "            if param.grad is not None:\n"
-        "                # inf and NaN propagate through a sum; finite 32- and 16-bit values cannot overflow a float64 one\n"
-        "                # (MPS has no float64, so it sums in float32 there)\n"
-        "                dtype = torch.float32 if param.grad.device.type == \"mps\" else torch.float64\n"
-        "                sums_by_device.setdefault(param.grad.device, []).append(param.grad.sum(dtype=dtype))\n"
-        "        return all(torch.stack(sums).isfinite().all().item() for sums in sums_by_device.values())\n"
-        "\n"
-        "    @torch.no_grad()\n"
-        "    def _load_local_grads_into_optimizer_(self):\n"
-    ),
-)
-
 PULL_REQUESTS: Sequence[PullRequest] = (
     PullRequest(
         "01-fused-accumulation",
@@ -549,25 +513,6 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "peers changes: P and Q were float32 already, and the uncompressed gradients keep their dtype.",
                 (POWER_SGD_FLOAT32_ERROR_FEEDBACK,),
                 ("tests/test_power_sgd_half_precision.py",),
-            ),
-        ),
-    ),
-    PullRequest(
-        "14-skip-nonfinite-step",
-        (
-            Commit(
-                "TrainingStateAverager: skip an optimizer step whose gradients contain inf or NaN",
-                "Without a grad scaler, TrainingStateAverager ran the optimizer step with whatever gradients it "
-                "was given. When they held inf or NaN (a peer whose gradient averaging round found no peers and "
-                "fell back to its own diverged gradients, a group in which one member sent NaN, or "
-                "use_local_updates=True), the step wrote NaN into the parameters and optimizer statistics, and "
-                "the next state averaging round sent them to every peer of its group. The step now checks the "
-                "optimizer's gradients first (one float64 sum per tensor, float32 on MPS, one host read per "
-                "device) and skips the step with a warning if any "
-                "element is not finite. The epoch still advances. Steps with a grad scaler are unchanged: "
-                "hivemind.GradScaler skips the steps whose local gradients overflowed.",
-                (NONFINITE_STEP_SKIP, NONFINITE_STEP_CHECK),
-                ("tests/test_optimizer_nonfinite_step.py",),
             ),
         ),
     ),
