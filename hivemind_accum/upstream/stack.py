@@ -328,6 +328,177 @@ POWER_SGD_FLOAT32_ERROR_FEEDBACK = Edit(
     ),
 )
 
+GRAD_SCALER_DEFAULTDICT_IMPORT = Edit(
+    path="optim/grad_scaler.py",
+    old="from copy import deepcopy\n",
+    new="from collections import defaultdict\nfrom copy import deepcopy\n",
+)
+
+GRAD_SCALER_UPDATE_ON_DEVICE = Edit(
+    path="optim/grad_scaler.py",
+    old=(
+        "        with self._lock:\n"
+        "            total_infs = 0\n"
+        "            for optimizer_state in self._per_optimizer_states.values():\n"
+        "                total_infs += sum(v.item() for v in optimizer_state[\"found_inf_per_device\"].values())\n"
+        "\n"
+        "            if self._is_ready_to_update or total_infs != 0:\n"
+        "                # note: we update either during actual optimizer step or if we need to reduce scale due to NaN\n"
+        "                super().update(new_scale)\n"
+        "                self._is_ready_to_update = False\n"
+        "                return True\n"
+        "            else:\n"
+        "                for opt_id in self._optimizer_states_to_reset:\n"
+        "                    self._per_optimizer_states[opt_id] = _refresh_per_optimizer_state()\n"
+        "                self._optimizer_states_to_reset.clear()\n"
+        "                return False\n"
+    ),
+    new=(
+        "        with self._lock:\n"
+        "            if self._is_ready_to_update:\n"
+        "                super().update(new_scale)\n"
+        "                self._is_ready_to_update = False\n"
+        "                return True\n"
+        "            found_infs = [\n"
+        "                found_inf.to(self._scale.device)\n"
+        "                for optimizer_state in self._per_optimizer_states.values()\n"
+        "                for found_inf in optimizer_state[\"found_inf_per_device\"].values()\n"
+        "            ]\n"
+        "            if found_infs:\n"
+        "                # no global step: back the scale off after an overflow, as super().update() does, but without growing\n"
+        "                # it and without reading found_inf on the host\n"
+        "                found_inf = torch.stack(found_infs).sum() > 0\n"
+        "                self._scale.mul_(torch.where(found_inf, self._backoff_factor, 1.0))\n"
+        "                self._growth_tracker.masked_fill_(found_inf, 0)\n"
+        "            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)\n"
+        "            self._optimizer_states_to_reset.clear()\n"
+        "            return False\n"
+    ),
+)
+
+HOST_READ_STALLS = Edit(
+    path="optim/grad_scaler.py",
+    old="logger = get_logger(__name__)\n",
+    new=(
+        "logger = get_logger(__name__)\n"
+        "\n"
+        "\n"
+        "def _host_read_stalls(device: str) -> bool:\n"
+        "    \"\"\"reading a tensor's value waits for the device's queued work, except on the CPU\"\"\"\n"
+        "    return torch.device(device).type != \"cpu\"\n"
+    ),
+)
+
+GRAD_SCALER_STEP_ON_DEVICE = Edit(
+    path="optim/grad_scaler.py",
+    old=(
+        "        else:\n"
+        "            super().step(optimizer)\n"
+        "            self._optimizer_states_to_reset.add(id(optimizer))\n"
+        "            return False\n"
+    ),
+    new=(
+        "        elif (\n"
+        "            self._enabled\n"
+        "            and isinstance(optimizer, hivemind.Optimizer)\n"
+        "            and optimizer.use_gradient_averaging\n"
+        "            and not optimizer._step_supports_amp_scaling\n"
+        "            and _host_read_stalls(self._device)\n"
+        "        ):\n"
+        "            # exact mode (reuse_grad_buffers=False) on an accelerator: the optimizer skips an overflowing micro-step on\n"
+        "            # the device, given found_inf as torch's GradScaler gives it to optimizers, instead of a read on the host\n"
+        "            with self._lock:\n"
+        "                if self._per_optimizer_states[id(optimizer)][\"stage\"] is OptState.READY:\n"
+        "                    self.unscale_(optimizer)  # checks the gradients for inf and NaN, does not unscale them\n"
+        "                optimizer.found_inf = sum(self._found_inf_per_device(optimizer).values())\n"
+        "            try:\n"
+        "                optimizer.step(*args, **kwargs)\n"
+        "            finally:\n"
+        "                del optimizer.found_inf\n"
+        "            return False\n"
+        "        else:\n"
+        "            super().step(optimizer)\n"
+        "            self._optimizer_states_to_reset.add(id(optimizer))\n"
+        "            return False\n"
+    ),
+)
+
+OPTIMIZER_PASSES_FOUND_INF = Edit(
+    path="optim/optimizer.py",
+    old="        self.grad_averager.accumulate_grads_(batch_size)\n",
+    new=(
+        "        # hivemind.GradScaler.step sets found_inf in exact mode, so that an overflow is skipped without a host read\n"
+        "        self.grad_averager.accumulate_grads_(batch_size, found_inf=getattr(self, \"found_inf\", None))\n"
+    ),
+)
+
+FOUND_INFS_INIT = Edit(
+    path="optim/grad_averager.py",
+    old="        self._anchor_batch_size = None\n        self._local_accumulators = None\n",
+    new=(
+        "        self._anchor_batch_size = None\n"
+        "        self._found_infs = []  # (found_inf, batch_size) of each micro-step accumulate_grads_ was given found_inf for\n"
+        "        self._local_accumulators = None\n"
+    ),
+)
+
+FOUND_INF_PARAM = Edit(
+    path="optim/grad_averager.py",
+    old=(
+        "    def accumulate_grads_(self, batch_size: int):\n"
+        "        \"\"\"add current gradients to local grad accumulators (if used)\"\"\"\n"
+    ),
+    new=(
+        "    def accumulate_grads_(self, batch_size: int, found_inf: Optional[torch.Tensor] = None):\n"
+        "        \"\"\"add current gradients to local grad accumulators (if used)\n"
+        "\n"
+        "        :param found_inf: a tensor (e.g. from a GradScaler), nonzero if these gradients overflowed: then they are not\n"
+        "          added and this micro-step does not count; decided on the device, read on the host once per averaging round\n"
+        "        \"\"\"\n"
+    ),
+)
+
+FOUND_INF_SKIP = Edit(
+    path="optim/grad_averager.py",
+    old=(
+        "            grouped_accs, grouped_bufs = defaultdict(list), defaultdict(list)\n"
+        "            for grad_buf, grad_acc in zip(self._grads_from_parameters(), self._local_accumulators):\n"
+    ),
+    new=(
+        "            if found_inf is not None:\n"
+        "                self._found_infs.append((found_inf, batch_size))\n"
+        "                skip = found_inf > 0\n"
+        "            grouped_accs, grouped_bufs = defaultdict(list), defaultdict(list)\n"
+        "            for grad_buf, grad_acc in zip(self._grads_from_parameters(), self._local_accumulators):\n"
+        "                if found_inf is not None:  # an overflowing micro-step's gradients become zeros, on the device\n"
+        "                    values = grad_buf if grad_buf.layout == torch.strided else grad_buf._values()\n"
+        "                    values.masked_fill_(skip.to(values.device), 0)\n"
+    ),
+)
+
+FOUND_INF_COUNT = Edit(
+    path="optim/grad_averager.py",
+    old="        # divide locally accumulated gradients by the number of times they were accumulated\n",
+    new=(
+        "        if self._found_infs:  # do not count the micro-steps that accumulate_grads_ skipped, with one host read\n"
+        "            skipped = torch.stack([found_inf for found_inf, _ in self._found_infs]).gt(0).tolist()\n"
+        "            self.local_times_accumulated -= sum(skipped)\n"
+        "            self.local_samples_accumulated -= sum(size for (_, size), skip in zip(self._found_infs, skipped) if skip)\n"
+        "            self._found_infs.clear()\n"
+        "        # divide locally accumulated gradients by the number of times they were accumulated\n"
+    ),
+)
+
+FOUND_INFS_RESET = Edit(
+    path="optim/grad_averager.py",
+    old="        self.local_samples_accumulated = self.local_times_accumulated = 0\n        self._anchor_batch_size = None\n",
+    new=(
+        "        self.local_samples_accumulated = self.local_times_accumulated = 0\n"
+        "        self._anchor_batch_size = None\n"
+        "        self._found_infs.clear()\n"
+    ),
+)
+
 PULL_REQUESTS: Sequence[PullRequest] = (
     PullRequest(
         "01-fused-accumulation",
@@ -513,6 +684,41 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "peers changes: P and Q were float32 already, and the uncompressed gradients keep their dtype.",
                 (POWER_SGD_FLOAT32_ERROR_FEEDBACK,),
                 ("tests/test_power_sgd_half_precision.py",),
+            ),
+        ),
+    ),
+    PullRequest(
+        "15-grad-scaler-update-on-device",
+        (
+            Commit(
+                "GradScaler: back the scale off on the device in update() without a global step",
+                "After a micro-step without a global step, GradScaler.update() read every found_inf with .item() to "
+                "decide whether to back the scale off: a host read per micro-step, which stalls a GPU until its queued "
+                "work is done. It now backs the scale off on the device (scale *= backoff_factor and the growth "
+                "tracker reset, where found_inf is set), as torch's update() does, and still never grows it there. "
+                "It returns False then, since it no longer knows whether the scale changed. Updates after a global "
+                "step are unchanged.",
+                (GRAD_SCALER_DEFAULTDICT_IMPORT, GRAD_SCALER_UPDATE_ON_DEVICE),
+                ("tests/test_grad_scaler_update.py",),
+            ),
+        ),
+    ),
+    PullRequest(
+        "16-exact-mode-overflow-on-device",
+        (
+            Commit(
+                "GradScaler: skip an overflowing micro-step of exact mode on the device",
+                "With reuse_grad_buffers=False, scaler.step(opt) went through torch's GradScaler.step, which reads "
+                "found_inf on the host to decide whether to call opt.step(): a host read per micro-step. On an "
+                "accelerator, hivemind.GradScaler now always calls opt.step() and hands it found_inf, as torch's "
+                "GradScaler hands it to optimizers that support it. GradientAverager.accumulate_grads_(found_inf=) "
+                "zeroes the gradients of an overflowing micro-step on the device before its fused add, and "
+                "load_accumulators_into_averager_ reads the flags once per round to take the skipped micro-steps "
+                "out of the sample count and of the mean. On the CPU, where a host read stalls nothing, the step "
+                "is unchanged.",
+                (HOST_READ_STALLS, GRAD_SCALER_STEP_ON_DEVICE, OPTIMIZER_PASSES_FOUND_INF, FOUND_INFS_INIT,
+                 FOUND_INF_PARAM, FOUND_INF_SKIP, FOUND_INF_COUNT, FOUND_INFS_RESET),
+                ("tests/test_grad_scaler_exact_mode.py", "benchmarks/benchmark_grad_scaler_step.py"),
             ),
         ),
     ),
