@@ -108,13 +108,26 @@ FALLBACK_KEEPS_ACCUMULATORS = Edit(
     new=(
         "                # keep the local gradients until the round ends: if it fails, the optimizer steps with them, and\n"
         "                # _update_global_epoch resets them after that. Not with delay_grad_averaging, whose round ends\n"
-        "                # after that reset, nor with PowerSGD, which adds them to its error feedback instead\n"
+        "                # after that reset, nor where the error feedback takes them\n"
         "                self.scheduled_grads = self.grad_averager.step(\n"
         "                    control=self.scheduled_grads,\n"
-        "                    reset_accumulators=self.delay_grad_averaging\n"
-        "                    or isinstance(self.grad_averager, PowerSGDGradientAverager),\n"
+        "                    reset_accumulators=self.delay_grad_averaging or self._error_feedback_takes_local_grads,\n"
         "                    wait=False,\n"
         "                )\n"
+    ),
+)
+
+ERROR_FEEDBACK_PROPERTY = Edit(
+    path="optim/optimizer.py",
+    old="    def _begin_averaging_gradients(self, grad_scaler: Optional[GradScaler]) -> bool:\n",
+    new=(
+        "    @property\n"
+        "    def _error_feedback_takes_local_grads(self) -> bool:\n"
+        "        \"\"\"PowerSGD adds the local gradients to its error feedback once its all-reduce begins, to send them later:\n"
+        "        a failed round must not step with them as well\"\"\"\n"
+        "        return isinstance(self.grad_averager, PowerSGDGradientAverager)\n"
+        "\n"
+        "    def _begin_averaging_gradients(self, grad_scaler: Optional[GradScaler]) -> bool:\n"
     ),
 )
 
@@ -135,7 +148,7 @@ DELAYED_FALLBACK_USES_ROUND_GRADIENTS = Edit(
     ),
     new=(
         "        if not averaged_gradients:\n"
-        "            if self.delay_grad_averaging and not isinstance(self.grad_averager, PowerSGDGradientAverager):\n"
+        "            if self.delay_grad_averaging and not self._error_feedback_takes_local_grads:\n"
         "                # the accumulators hold the next epoch's micro-steps by now; this round's local gradients are\n"
         "                # where grad_averager.step loaded them when the round began\n"
         "                logger.log(self.status_loglevel, \"Proceeding with local gradients of this round\")\n"
@@ -148,11 +161,11 @@ DELAYED_FALLBACK_USES_ROUND_GRADIENTS = Edit(
 GRADIENT_ROUND_DEADLINE = Edit(
     path="optim/optimizer.py",
     old=(
-        "                    or isinstance(self.grad_averager, PowerSGDGradientAverager),\n"
+        "                    reset_accumulators=self.delay_grad_averaging or self._error_feedback_takes_local_grads,\n"
         "                    wait=False,\n"
     ),
     new=(
-        "                    or isinstance(self.grad_averager, PowerSGDGradientAverager),\n"
+        "                    reset_accumulators=self.delay_grad_averaging or self._error_feedback_takes_local_grads,\n"
         "                    timeout=self.averaging_timeout,\n"
         "                    wait=False,\n"
     ),
@@ -190,10 +203,7 @@ AVERAGED_GRADS_DTYPE_CHECKS = Edit(
         "        if averaged_grads_dtype is not None and not averaged_grads_dtype.is_floating_point:\n"
         "            raise ValueError(f\"averaged_grads_dtype must be a floating point dtype, got {averaged_grads_dtype}\")\n"
         "        if averaged_grads_dtype is not None and averaged_grads:\n"
-        "            raise ValueError(\n"
-        "                \"averaged_grads_dtype applies to the averaged gradients this averager makes; with averaged_grads \"\n"
-        "                \"provided, make them in the dtype you need and leave averaged_grads_dtype=None\"\n"
-        "            )\n"
+        "            raise ValueError(\"Pass averaged_grads or averaged_grads_dtype, not both\")\n"
         "        if reuse_grad_buffers and accumulate_grads_on is not None:\n"
         "            logger.warning(\"Setting 'accumulate_grads_on' has no effect if reuse_grad_buffers=True\")\n"
     ),
@@ -548,7 +558,7 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "background after that reset, while the next epoch accumulates: its fallback is a separate change. "
                 "PowerSGDGradientAverager adds the local gradients to its error feedback once "
                 "its all-reduce begins, and stepping with them as well would count them twice.",
-                (POWER_SGD_IMPORT, FALLBACK_KEEPS_ACCUMULATORS),
+                (POWER_SGD_IMPORT, ERROR_FEEDBACK_PROPERTY, FALLBACK_KEEPS_ACCUMULATORS),
                 ("tests/test_optimizer_fallback.py",),
             ),
         ),
@@ -628,22 +638,13 @@ PULL_REQUESTS: Sequence[PullRequest] = (
         (
             Commit(
                 "GradientAverager: average inf/NaN gradients as zeros with weight 0",
-                "One peer whose accumulated gradients held inf or NaN (a diverging micro-batch, a bad sample) sent "
-                "them into the all-reduce, which computes sum(weight * grad) / sum(weight): every peer of the group "
-                "received inf or NaN in that part of the averaged gradients and stepped with it; PowerSGD kept NaN "
-                "in its error-feedback buffers for every later round. GradientAverager.step now checks the gradients "
-                "it has loaded for averaging (one float64 sum per tensor, once per round); if any element is not "
-                "finite, it averages zeros with weight 0 and logs a warning. Every peer of the group, this one "
-                "included, then receives the average of the others. PowerSGD leaves its error-feedback residual as it "
-                "was in a round it joins with weight 0 (this one, a tag-along round, or step(weight=0)): it added the "
-                "peer's buffers into it and subtracted the group's result. Peers without this change average with it "
-                "as before.",
-                (
-                    NONFINITE_GRADS_WEIGHT_DOC,
-                    NONFINITE_GRADS_WEIGHT_ZERO,
-                    NONFINITE_GRADS_POWER_SGD_ADD,
-                    NONFINITE_GRADS_POWER_SGD_SUB,
-                ),
+                "One peer whose accumulated gradients held inf or NaN sent them into the all-reduce, which computes "
+                "sum(weight * grad) / sum(weight): every peer of the group received inf or NaN and stepped with it. "
+                "GradientAverager.step now checks the gradients it has loaded for averaging (one float64 sum per "
+                "tensor, once per round); if any is not finite, it averages zeros with weight 0, overriding a weight "
+                "passed to step(), and logs a warning. Every peer of the group then receives the average of the "
+                "others. Peers without this change average with it as before.",
+                (NONFINITE_GRADS_WEIGHT_DOC, NONFINITE_GRADS_WEIGHT_ZERO),
                 ("tests/test_grad_averager_nonfinite.py",),
             ),
         ),
@@ -719,6 +720,21 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 (HOST_READ_STALLS, GRAD_SCALER_STEP_ON_DEVICE, OPTIMIZER_PASSES_FOUND_INF, FOUND_INFS_INIT,
                  FOUND_INF_PARAM, FOUND_INF_SKIP, FOUND_INF_COUNT, FOUND_INFS_RESET),
                 ("tests/test_grad_scaler_exact_mode.py", "benchmarks/benchmark_grad_scaler_step.py"),
+            ),
+        ),
+    ),
+    PullRequest(
+        "17-power-sgd-weight-zero",
+        (
+            Commit(
+                "PowerSGDGradientAverager: keep the error feedback as it was in a round joined with weight 0",
+                "A peer that joins a PowerSGD round with weight 0 (step(weight=0), or a round the Optimizer tags "
+                "along with) sends nothing to compress, but the round still added its local gradients into its "
+                "error-feedback residual and subtracted the group's result from it. The next round sent that "
+                "residual: in the test below, the second round averaged to twice the gradients both peers had. "
+                "With weight 0 the residual is now left as it was.",
+                (NONFINITE_GRADS_POWER_SGD_ADD, NONFINITE_GRADS_POWER_SGD_SUB),
+                ("tests/test_power_sgd_weight_zero.py",),
             ),
         ),
     ),
