@@ -39,8 +39,8 @@ def hivemind_tree(tmp_path_factory):
 
 
 def _pytest(tree: Path, files):
-    """run the tests in their own session; afterwards kill whatever they left running, as hivemind's tests/conftest.py
-    does at the end of its sessions (a test that fails on master may leave peers of an Optimizer it never shut down)"""
+    """run the tests in their own pytest process group; afterwards kill whatever they left running, as hivemind's
+    tests/conftest.py does at the end of a test run (a test that fails on master may leave an Optimizer's peers)"""
     env = dict(os.environ, PYTHONPATH=str(tree), HIVEMIND_MEMORY_SHARING_STRATEGY="file_descriptor")
     with tempfile.TemporaryFile("w+") as out:
         process = subprocess.Popen(
