@@ -21,6 +21,7 @@ from hivemind_accum.upstream.stack import PULL_REQUESTS, PULL_REQUESTS_DIR, writ
 
 BIN = Path(sys.executable).parent
 GIT = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
+AUTHOR = "Test Contributor <contributor@example.com>"
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def hivemind_tree(tmp_path_factory):
     """the generated pull requests, and a git repository whose first commit holds the installed hivemind package"""
     root = tmp_path_factory.mktemp("pull_requests")
     prs = root / "prs"
-    write_pull_requests(installed_hivemind(), prs)
+    write_pull_requests(installed_hivemind(), prs, AUTHOR)
     tree = root / "hivemind"
     shutil.copytree(installed_hivemind(), tree / "hivemind", ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(GIT + ["init", "-q", "-b", "master"], cwd=tree, check=True)
@@ -38,8 +39,8 @@ def hivemind_tree(tmp_path_factory):
 
 
 def _pytest(tree: Path, files):
-    """run the tests in their own session; afterwards kill whatever they left running, as hivemind's tests/conftest.py
-    does at the end of its sessions (a test that fails on master may leave peers of an Optimizer it never shut down)"""
+    """run the tests in their own pytest process group; afterwards kill whatever they left running, as hivemind's
+    tests/conftest.py does at the end of a test run (a test that fails on master may leave an Optimizer's peers)"""
     env = dict(os.environ, PYTHONPATH=str(tree), HIVEMIND_MEMORY_SHARING_STRATEGY="file_descriptor")
     with tempfile.TemporaryFile("w+") as out:
         process = subprocess.Popen(
@@ -63,6 +64,22 @@ def test_every_pull_request_has_a_test_and_a_description():
     for pr in PULL_REQUESTS:
         assert pr.test_files, pr.slug
         assert (pr.folder / "description.md").read_text().startswith("# "), pr.slug
+
+
+def test_generator_needs_an_author(tmp_path):
+    """no placeholder identity: without --author or git's user.name and user.email the generator stops, says how to
+    set it and writes nothing; with git's identity set, that is the author"""
+    (tmp_path / "empty").write_text("")
+    env = dict(os.environ, HOME=str(tmp_path), GIT_CONFIG_GLOBAL=str(tmp_path / "empty"), GIT_CONFIG_NOSYSTEM="1")
+    command = [sys.executable, "-m", "hivemind_accum.upstream", "--out", str(tmp_path / "out")]
+    run = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert run.returncode == 2 and '--author "Your Name <you@example.com>"' in run.stderr
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "gitconfig").write_text("[user]\n\tname = Ada Lovelace\n\temail = ada@example.org\n")
+    run = subprocess.run(command, capture_output=True, text=True, env=dict(env, GIT_CONFIG_GLOBAL=str(tmp_path / "gitconfig")))
+    assert run.returncode == 0, run.stderr
+    patch = sorted((tmp_path / "out" / "prs").glob("*/*.patch"))[0]
+    assert "From: Ada Lovelace <ada@example.org>" in patch.read_text()
 
 
 @pytest.mark.parametrize("pr", PULL_REQUESTS, ids=lambda pr: pr.slug)

@@ -23,6 +23,7 @@ from hivemind_accum.upstream.fixes import FIXES
 from hivemind_accum.upstream.merge import MergeError, merge_module
 
 ROOT = Path(__file__).resolve().parent.parent
+AUTHOR = "Test Contributor <contributor@example.com>"  # the generator takes no placeholder identity
 CHECKS = Path(__file__).resolve().parent / "upstream_checks.py"
 # every module of hivemind_accum/optim goes upstream: added where upstream has none, merged where it has one
 CARRIED = {f"optim/{name}.py" for name in carried_modules()}  # relative to the package directory
@@ -73,7 +74,8 @@ def _results(process: subprocess.Popen, results: Path, name: str) -> dict:
 def series(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("series")
     run = subprocess.run(
-        [sys.executable, "-m", "hivemind_accum.upstream", "--out", str(out)], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "hivemind_accum.upstream", "--out", str(out), "--author", AUTHOR], cwd=ROOT,
+        capture_output=True, text=True,
     )
     assert run.returncode == 0, run.stderr
     return out
@@ -622,7 +624,8 @@ def test_generates_from_a_hivemind_source_tree_of_another_version(tmp_path):
     init = source / "hivemind" / "__init__.py"
     init.write_text(init.read_text().replace('__version__ = "1.1.12"', '__version__ = "1.2.0.dev0"'))
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "hivemind_accum.upstream", "--out", str(out), "--hivemind-src", str(source)]
+    command = [sys.executable, "-m", "hivemind_accum.upstream", "--out", str(out), "--hivemind-src", str(source),
+               "--author", AUTHOR]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "patched hivemind 1.2.0.dev0" in run.stdout and "git -C" in run.stdout

@@ -21,12 +21,19 @@ from typing import Dict, List, Optional, Sequence
 from hivemind_accum.upstream.changes import CHANGES, edit_hivemind, for_hivemind, peel
 from hivemind_accum.upstream.fixes import FIXES, FixError, apply_fix, omit_workarounds
 from hivemind_accum.upstream.merge import UPSTREAM_PACKAGE, MergeError, merge_module, rewrite_new_module
-from hivemind_accum.upstream.stack import DEFAULT_AUTHOR, StackError, write_pull_requests
+from hivemind_accum.upstream.stack import StackError, write_pull_requests
 
 SUPPORTED_VERSION = "1.1.12"  # the hivemind version whose source the merge was tested against
 OUR_OPTIM = Path(__file__).resolve().parent.parent / "optim"
 MARKER = ".hivemind_accum_series"  # marks an output directory this generator wrote (so it may be overwritten)
 LOCAL_VERSION = "accum"  # PEP 440 local version label of the generated package: 1.1.12+accum
+
+
+STACK_AUTHOR = re.compile(r"\s*(.+?)\s*<([^>]+@[^>]+)>\s*")
+AUTHOR_REQUIRED = (
+    "the commits need an author: pass --author \"Your Name <you@example.com>\" or set git's user.name and user.email "
+    "(the contributor who sends the pull requests; it is written into every patch's From: line)"
+)
 
 
 class GenerationError(Exception):
@@ -177,7 +184,8 @@ def generate(
       ``1.1.12+accum``; not written with ``from_source``), ``prs/NN-slug/`` (the pull requests for hivemind, each a
       ``git format-patch`` series and its ``description.md``: :mod:`hivemind_accum.upstream.stack`)
     :param upstream_dir: the hivemind package directory to start from (default: the installed one)
-    :param author: "Name <email>", the author of the pull requests' commits (default: the caller's git identity)
+    :param author: "Name <email>", the author of the pull requests' and the series' commits: the contributor who
+      sends them (required; ``--author`` on the command line)
     :param from_source: ``upstream_dir`` is the package directory of a hivemind source tree (e.g. a checkout of
       hivemind's master), of any version: the series is generated against its modules
     :returns: the patches, in series order
@@ -198,6 +206,8 @@ def generate(
             f"{upstream_dir} is already a patched hivemind (it has optim/grad_buckets.py); generate from a pristine "
             f"hivemind {SUPPORTED_VERSION} (check that PYTHONPATH does not put a generated tree first)"
         )
+    if not author or STACK_AUTHOR.fullmatch(author) is None:
+        raise GenerationError(AUTHOR_REQUIRED)
     patches = build_patches(upstream_dir)
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
@@ -214,7 +224,7 @@ def generate(
     (out / "patches").mkdir()
     for number, patch in enumerate(patches, start=1):
         filename = f"{number:04d}-{re.sub(r'[^A-Za-z0-9]+', '-', patch.subject).strip('-')}.patch"
-        (out / "patches" / filename).write_text(format_patch(patch, number, len(patches)))
+        (out / "patches" / filename).write_text(format_patch(patch, number, len(patches), author))
     try:
         write_pull_requests(upstream_dir, out / "prs", author)
     except StackError as e:
@@ -226,7 +236,7 @@ def generate(
     return patches
 
 
-def format_patch(patch: Patch, number: int, total: int) -> str:
+def format_patch(patch: Patch, number: int, total: int, author: str) -> str:
     """a ``git format-patch`` mail (``git am`` applies it): subject, message, then a unified diff with a/ and b/
     prefixes for each module the commit changes"""
     diffs = []
@@ -240,7 +250,7 @@ def format_patch(patch: Patch, number: int, total: int) -> str:
         diffs.append(header + "".join(difflib.unified_diff(before, after, old, f"b/{change.path}", n=3)))
     return (
         f"From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
-        f"From: hivemind_accum <hivemind_accum@users.noreply.github.com>\n"
+        f"From: {author.strip()}\n"
         f"Subject: [PATCH {number}/{total}] {patch.subject}\n\n{patch.body}\n---\n{''.join(diffs)}"
     )
 

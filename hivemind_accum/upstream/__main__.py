@@ -1,10 +1,12 @@
 """``python -m hivemind_accum.upstream --out DIR``: write the patched hivemind, its patch series and packaging"""
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
 from hivemind_accum.upstream import (
-    DEFAULT_AUTHOR,
+    AUTHOR_REQUIRED,
+    STACK_AUTHOR,
     SUPPORTED_VERSION,
     GenerationError,
     generate,
@@ -29,11 +31,15 @@ def main(argv=None) -> int:
         "is written: the checkout has its own packaging)",
     )
     parser.add_argument(
-        "--author",
-        help=f"'Name <email>' for the pull requests' commits (default: your git user.name and user.email, else "
-        f"{DEFAULT_AUTHOR})",
+        "--author", metavar='"NAME <EMAIL>"',
+        help="the author of the pull requests' and the series' commits (the contributor who sends them); default: "
+        "git's user.name and user.email, as git commit takes them",
     )
     args = parser.parse_args(argv)
+    args.author = args.author or git_identity()
+    if not args.author or STACK_AUTHOR.fullmatch(args.author) is None:
+        print(f"error: {AUTHOR_REQUIRED}", file=sys.stderr)
+        return 2
     try:
         upstream_dir = source_package(args.hivemind_src) if args.hivemind_src else installed_hivemind()
         patches = generate(args.out, upstream_dir, from_source=args.hivemind_src is not None, author=args.author)
@@ -52,6 +58,15 @@ def main(argv=None) -> int:
     else:
         print(f"install with: pip install {args.out}")
     return 0
+
+
+def git_identity() -> str:
+    """``"Name <email>"`` from git's configuration (user.name, user.email), or "" where either is unset"""
+    values = []
+    for key in ("user.name", "user.email"):
+        run = subprocess.run(["git", "config", "--get", key], capture_output=True, text=True, cwd=Path.home())
+        values.append(run.stdout.strip() if run.returncode == 0 else "")
+    return f"{values[0]} <{values[1]}>" if all(values) else ""
 
 
 if __name__ == "__main__":

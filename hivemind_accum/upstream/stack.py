@@ -16,13 +16,12 @@ import tempfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from hivemind_accum.upstream.fixes import FIXES, Fix, FixError, apply_fix
 
 PULL_REQUESTS_DIR = Path(__file__).resolve().parent / "pull_requests"
 OUR_OPTIM = Path(__file__).resolve().parent.parent / "optim"
-DEFAULT_AUTHOR = "hivemind-accum contributors <hivemind-accum@users.noreply.github.com>"
 COMMIT_DATE = "2026-12-04T00:00:00+00:00"  # fixed, so that the same sources give the same patches
 
 
@@ -109,13 +108,26 @@ FALLBACK_KEEPS_ACCUMULATORS = Edit(
     new=(
         "                # keep the local gradients until the round ends: if it fails, the optimizer steps with them, and\n"
         "                # _update_global_epoch resets them after that. Not with delay_grad_averaging, whose round ends\n"
-        "                # after that reset, nor with PowerSGD, which adds them to its error feedback instead\n"
+        "                # after that reset, nor where the error feedback takes them\n"
         "                self.scheduled_grads = self.grad_averager.step(\n"
         "                    control=self.scheduled_grads,\n"
-        "                    reset_accumulators=self.delay_grad_averaging\n"
-        "                    or isinstance(self.grad_averager, PowerSGDGradientAverager),\n"
+        "                    reset_accumulators=self.delay_grad_averaging or self._error_feedback_takes_local_grads,\n"
         "                    wait=False,\n"
         "                )\n"
+    ),
+)
+
+ERROR_FEEDBACK_PROPERTY = Edit(
+    path="optim/optimizer.py",
+    old="    def _begin_averaging_gradients(self, grad_scaler: Optional[GradScaler]) -> bool:\n",
+    new=(
+        "    @property\n"
+        "    def _error_feedback_takes_local_grads(self) -> bool:\n"
+        "        \"\"\"PowerSGD adds the local gradients to its error feedback once its all-reduce begins, to send them later:\n"
+        "        a failed round must not step with them as well\"\"\"\n"
+        "        return isinstance(self.grad_averager, PowerSGDGradientAverager)\n"
+        "\n"
+        "    def _begin_averaging_gradients(self, grad_scaler: Optional[GradScaler]) -> bool:\n"
     ),
 )
 
@@ -136,7 +148,7 @@ DELAYED_FALLBACK_USES_ROUND_GRADIENTS = Edit(
     ),
     new=(
         "        if not averaged_gradients:\n"
-        "            if self.delay_grad_averaging and not isinstance(self.grad_averager, PowerSGDGradientAverager):\n"
+        "            if self.delay_grad_averaging and not self._error_feedback_takes_local_grads:\n"
         "                # the accumulators hold the next epoch's micro-steps by now; this round's local gradients are\n"
         "                # where grad_averager.step loaded them when the round began\n"
         "                logger.log(self.status_loglevel, \"Proceeding with local gradients of this round\")\n"
@@ -149,11 +161,11 @@ DELAYED_FALLBACK_USES_ROUND_GRADIENTS = Edit(
 GRADIENT_ROUND_DEADLINE = Edit(
     path="optim/optimizer.py",
     old=(
-        "                    or isinstance(self.grad_averager, PowerSGDGradientAverager),\n"
+        "                    reset_accumulators=self.delay_grad_averaging or self._error_feedback_takes_local_grads,\n"
         "                    wait=False,\n"
     ),
     new=(
-        "                    or isinstance(self.grad_averager, PowerSGDGradientAverager),\n"
+        "                    reset_accumulators=self.delay_grad_averaging or self._error_feedback_takes_local_grads,\n"
         "                    timeout=self.averaging_timeout,\n"
         "                    wait=False,\n"
     ),
@@ -191,10 +203,7 @@ AVERAGED_GRADS_DTYPE_CHECKS = Edit(
         "        if averaged_grads_dtype is not None and not averaged_grads_dtype.is_floating_point:\n"
         "            raise ValueError(f\"averaged_grads_dtype must be a floating point dtype, got {averaged_grads_dtype}\")\n"
         "        if averaged_grads_dtype is not None and averaged_grads:\n"
-        "            raise ValueError(\n"
-        "                \"averaged_grads_dtype applies to the averaged gradients this averager makes; with averaged_grads \"\n"
-        "                \"provided, make them in the dtype you need and leave averaged_grads_dtype=None\"\n"
-        "            )\n"
+        "            raise ValueError(\"Pass averaged_grads or averaged_grads_dtype, not both\")\n"
         "        if reuse_grad_buffers and accumulate_grads_on is not None:\n"
         "            logger.warning(\"Setting 'accumulate_grads_on' has no effect if reuse_grad_buffers=True\")\n"
     ),
@@ -329,39 +338,174 @@ POWER_SGD_FLOAT32_ERROR_FEEDBACK = Edit(
     ),
 )
 
-NONFINITE_STEP_SKIP = Edit(
-    path="optim/state_averager.py",
+GRAD_SCALER_DEFAULTDICT_IMPORT = Edit(
+    path="optim/grad_scaler.py",
+    old="from copy import deepcopy\n",
+    new="from collections import defaultdict\nfrom copy import deepcopy\n",
+)
+
+GRAD_SCALER_UPDATE_ON_DEVICE = Edit(
+    path="optim/grad_scaler.py",
     old=(
-        "                        if grad_scaler is None:\n"
-        "                            self.optimizer.step()\n"
+        "        with self._lock:\n"
+        "            total_infs = 0\n"
+        "            for optimizer_state in self._per_optimizer_states.values():\n"
+        "                total_infs += sum(v.item() for v in optimizer_state[\"found_inf_per_device\"].values())\n"
+        "\n"
+        "            if self._is_ready_to_update or total_infs != 0:\n"
+        "                # note: we update either during actual optimizer step or if we need to reduce scale due to NaN\n"
+        "                super().update(new_scale)\n"
+        "                self._is_ready_to_update = False\n"
+        "                return True\n"
+        "            else:\n"
+        "                for opt_id in self._optimizer_states_to_reset:\n"
+        "                    self._per_optimizer_states[opt_id] = _refresh_per_optimizer_state()\n"
+        "                self._optimizer_states_to_reset.clear()\n"
+        "                return False\n"
     ),
     new=(
-        "                        if grad_scaler is None:\n"
-        "                            if self._grads_are_finite():\n"
-        "                                self.optimizer.step()\n"
-        "                            else:\n"
-        "                                logger.warning(\"Skipping optimizer step: gradients contain inf or NaN\")\n"
+        "        with self._lock:\n"
+        "            if self._is_ready_to_update:\n"
+        "                super().update(new_scale)\n"
+        "                self._is_ready_to_update = False\n"
+        "                return True\n"
+        "            found_infs = [\n"
+        "                found_inf.to(self._scale.device)\n"
+        "                for optimizer_state in self._per_optimizer_states.values()\n"
+        "                for found_inf in optimizer_state[\"found_inf_per_device\"].values()\n"
+        "            ]\n"
+        "            if found_infs:\n"
+        "                # no global step: back the scale off after an overflow, as super().update() does, but without growing\n"
+        "                # it and without reading found_inf on the host\n"
+        "                found_inf = torch.stack(found_infs).sum() > 0\n"
+        "                self._scale.mul_(torch.where(found_inf, self._backoff_factor, 1.0))\n"
+        "                self._growth_tracker.masked_fill_(found_inf, 0)\n"
+        "            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)\n"
+        "            self._optimizer_states_to_reset.clear()\n"
+        "            return False\n"
     ),
 )
 
-NONFINITE_STEP_CHECK = Edit(
-    path="optim/state_averager.py",
-    old="    @torch.no_grad()\n    def _load_local_grads_into_optimizer_(self):\n",
+HOST_READ_STALLS = Edit(
+    path="optim/grad_scaler.py",
+    old="logger = get_logger(__name__)\n",
     new=(
-        "    @torch.no_grad()\n"
-        "    def _grads_are_finite(self) -> bool:\n"
-        "        \"\"\"Check that the optimizer's gradients contain no inf or NaN, with one host read per device\"\"\"\n"
-        "        sums_by_device = {}\n"
-        "        for param in chain.from_iterable(group[\"params\"] for group in self.optimizer.param_groups):\n"
-        "            if param.grad is not None:\n"
-        "                # inf and NaN propagate through a sum; finite 32- and 16-bit values cannot overflow a float64 one\n"
-        "                # (MPS has no float64, so it sums in float32 there)\n"
-        "                dtype = torch.float32 if param.grad.device.type == \"mps\" else torch.float64\n"
-        "                sums_by_device.setdefault(param.grad.device, []).append(param.grad.sum(dtype=dtype))\n"
-        "        return all(torch.stack(sums).isfinite().all().item() for sums in sums_by_device.values())\n"
+        "logger = get_logger(__name__)\n"
         "\n"
-        "    @torch.no_grad()\n"
-        "    def _load_local_grads_into_optimizer_(self):\n"
+        "\n"
+        "def _host_read_stalls(device: str) -> bool:\n"
+        "    \"\"\"reading a tensor's value waits for the device's queued work, except on the CPU\"\"\"\n"
+        "    return torch.device(device).type != \"cpu\"\n"
+    ),
+)
+
+GRAD_SCALER_STEP_ON_DEVICE = Edit(
+    path="optim/grad_scaler.py",
+    old=(
+        "        else:\n"
+        "            super().step(optimizer)\n"
+        "            self._optimizer_states_to_reset.add(id(optimizer))\n"
+        "            return False\n"
+    ),
+    new=(
+        "        elif (\n"
+        "            self._enabled\n"
+        "            and isinstance(optimizer, hivemind.Optimizer)\n"
+        "            and optimizer.use_gradient_averaging\n"
+        "            and not optimizer._step_supports_amp_scaling\n"
+        "            and _host_read_stalls(self._device)\n"
+        "        ):\n"
+        "            # exact mode (reuse_grad_buffers=False) on an accelerator: the optimizer skips an overflowing micro-step on\n"
+        "            # the device, given found_inf as torch's GradScaler gives it to optimizers, instead of a read on the host\n"
+        "            with self._lock:\n"
+        "                if self._per_optimizer_states[id(optimizer)][\"stage\"] is OptState.READY:\n"
+        "                    self.unscale_(optimizer)  # checks the gradients for inf and NaN, does not unscale them\n"
+        "                optimizer.found_inf = sum(self._found_inf_per_device(optimizer).values())\n"
+        "            try:\n"
+        "                optimizer.step(*args, **kwargs)\n"
+        "            finally:\n"
+        "                del optimizer.found_inf\n"
+        "            return False\n"
+        "        else:\n"
+        "            super().step(optimizer)\n"
+        "            self._optimizer_states_to_reset.add(id(optimizer))\n"
+        "            return False\n"
+    ),
+)
+
+OPTIMIZER_PASSES_FOUND_INF = Edit(
+    path="optim/optimizer.py",
+    old="        self.grad_averager.accumulate_grads_(batch_size)\n",
+    new=(
+        "        # hivemind.GradScaler.step sets found_inf in exact mode, so that an overflow is skipped without a host read\n"
+        "        self.grad_averager.accumulate_grads_(batch_size, found_inf=getattr(self, \"found_inf\", None))\n"
+    ),
+)
+
+FOUND_INFS_INIT = Edit(
+    path="optim/grad_averager.py",
+    old="        self._anchor_batch_size = None\n        self._local_accumulators = None\n",
+    new=(
+        "        self._anchor_batch_size = None\n"
+        "        self._found_infs = []  # (found_inf, batch_size) of each micro-step accumulate_grads_ was given found_inf for\n"
+        "        self._local_accumulators = None\n"
+    ),
+)
+
+FOUND_INF_PARAM = Edit(
+    path="optim/grad_averager.py",
+    old=(
+        "    def accumulate_grads_(self, batch_size: int):\n"
+        "        \"\"\"add current gradients to local grad accumulators (if used)\"\"\"\n"
+    ),
+    new=(
+        "    def accumulate_grads_(self, batch_size: int, found_inf: Optional[torch.Tensor] = None):\n"
+        "        \"\"\"add current gradients to local grad accumulators (if used)\n"
+        "\n"
+        "        :param found_inf: a tensor (e.g. from a GradScaler), nonzero if these gradients overflowed: then they are not\n"
+        "          added and this micro-step does not count; decided on the device, read on the host once per averaging round\n"
+        "        \"\"\"\n"
+    ),
+)
+
+FOUND_INF_SKIP = Edit(
+    path="optim/grad_averager.py",
+    old=(
+        "            grouped_accs, grouped_bufs = defaultdict(list), defaultdict(list)\n"
+        "            for grad_buf, grad_acc in zip(self._grads_from_parameters(), self._local_accumulators):\n"
+    ),
+    new=(
+        "            if found_inf is not None:\n"
+        "                self._found_infs.append((found_inf, batch_size))\n"
+        "                skip = found_inf > 0\n"
+        "            grouped_accs, grouped_bufs = defaultdict(list), defaultdict(list)\n"
+        "            for grad_buf, grad_acc in zip(self._grads_from_parameters(), self._local_accumulators):\n"
+        "                if found_inf is not None:  # an overflowing micro-step's gradients become zeros, on the device\n"
+        "                    values = grad_buf if grad_buf.layout == torch.strided else grad_buf._values()\n"
+        "                    values.masked_fill_(skip.to(values.device), 0)\n"
+    ),
+)
+
+FOUND_INF_COUNT = Edit(
+    path="optim/grad_averager.py",
+    old="        # divide locally accumulated gradients by the number of times they were accumulated\n",
+    new=(
+        "        if self._found_infs:  # do not count the micro-steps that accumulate_grads_ skipped, with one host read\n"
+        "            skipped = torch.stack([found_inf for found_inf, _ in self._found_infs]).gt(0).tolist()\n"
+        "            self.local_times_accumulated -= sum(skipped)\n"
+        "            self.local_samples_accumulated -= sum(size for (_, size), skip in zip(self._found_infs, skipped) if skip)\n"
+        "            self._found_infs.clear()\n"
+        "        # divide locally accumulated gradients by the number of times they were accumulated\n"
+    ),
+)
+
+FOUND_INFS_RESET = Edit(
+    path="optim/grad_averager.py",
+    old="        self.local_samples_accumulated = self.local_times_accumulated = 0\n        self._anchor_batch_size = None\n",
+    new=(
+        "        self.local_samples_accumulated = self.local_times_accumulated = 0\n"
+        "        self._anchor_batch_size = None\n"
+        "        self._found_infs.clear()\n"
     ),
 )
 
@@ -414,7 +558,7 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "background after that reset, while the next epoch accumulates: its fallback is a separate change. "
                 "PowerSGDGradientAverager adds the local gradients to its error feedback once "
                 "its all-reduce begins, and stepping with them as well would count them twice.",
-                (POWER_SGD_IMPORT, FALLBACK_KEEPS_ACCUMULATORS),
+                (POWER_SGD_IMPORT, ERROR_FEEDBACK_PROPERTY, FALLBACK_KEEPS_ACCUMULATORS),
                 ("tests/test_optimizer_fallback.py",),
             ),
         ),
@@ -494,22 +638,13 @@ PULL_REQUESTS: Sequence[PullRequest] = (
         (
             Commit(
                 "GradientAverager: average inf/NaN gradients as zeros with weight 0",
-                "One peer whose accumulated gradients held inf or NaN (a diverging micro-batch, a bad sample) sent "
-                "them into the all-reduce, which computes sum(weight * grad) / sum(weight): every peer of the group "
-                "received inf or NaN in that part of the averaged gradients and stepped with it; PowerSGD kept NaN "
-                "in its error-feedback buffers for every later round. GradientAverager.step now checks the gradients "
-                "it has loaded for averaging (one float64 sum per tensor, once per round); if any element is not "
-                "finite, it averages zeros with weight 0 and logs a warning. Every peer of the group, this one "
-                "included, then receives the average of the others. PowerSGD leaves its error-feedback residual as it "
-                "was in a round it joins with weight 0 (this one, a tag-along round, or step(weight=0)): it added the "
-                "peer's buffers into it and subtracted the group's result. Peers without this change average with it "
-                "as before.",
-                (
-                    NONFINITE_GRADS_WEIGHT_DOC,
-                    NONFINITE_GRADS_WEIGHT_ZERO,
-                    NONFINITE_GRADS_POWER_SGD_ADD,
-                    NONFINITE_GRADS_POWER_SGD_SUB,
-                ),
+                "One peer whose accumulated gradients held inf or NaN sent them into the all-reduce, which computes "
+                "sum(weight * grad) / sum(weight): every peer of the group received inf or NaN and stepped with it. "
+                "GradientAverager.step now checks the gradients it has loaded for averaging (one float64 sum per "
+                "tensor, once per round); if any is not finite, it averages zeros with weight 0, overriding a weight "
+                "passed to step(), and logs a warning. Every peer of the group then receives the average of the "
+                "others. Peers without this change average with it as before.",
+                (NONFINITE_GRADS_WEIGHT_DOC, NONFINITE_GRADS_WEIGHT_ZERO),
                 ("tests/test_grad_averager_nonfinite.py",),
             ),
         ),
@@ -554,21 +689,52 @@ PULL_REQUESTS: Sequence[PullRequest] = (
         ),
     ),
     PullRequest(
-        "14-skip-nonfinite-step",
+        "15-grad-scaler-update-on-device",
         (
             Commit(
-                "TrainingStateAverager: skip an optimizer step whose gradients contain inf or NaN",
-                "Without a grad scaler, TrainingStateAverager ran the optimizer step with whatever gradients it "
-                "was given. When they held inf or NaN (a peer whose gradient averaging round found no peers and "
-                "fell back to its own diverged gradients, a group in which one member sent NaN, or "
-                "use_local_updates=True), the step wrote NaN into the parameters and optimizer statistics, and "
-                "the next state averaging round sent them to every peer of its group. The step now checks the "
-                "optimizer's gradients first (one float64 sum per tensor, float32 on MPS, one host read per "
-                "device) and skips the step with a warning if any "
-                "element is not finite. The epoch still advances. Steps with a grad scaler are unchanged: "
-                "hivemind.GradScaler skips the steps whose local gradients overflowed.",
-                (NONFINITE_STEP_SKIP, NONFINITE_STEP_CHECK),
-                ("tests/test_optimizer_nonfinite_step.py",),
+                "GradScaler: back the scale off on the device in update() without a global step",
+                "After a micro-step without a global step, GradScaler.update() read every found_inf with .item() to "
+                "decide whether to back the scale off: a host read per micro-step, which stalls a GPU until its queued "
+                "work is done. It now backs the scale off on the device (scale *= backoff_factor and the growth "
+                "tracker reset, where found_inf is set), as torch's update() does, and still never grows it there. "
+                "It returns False then, since it no longer knows whether the scale changed. Updates after a global "
+                "step are unchanged.",
+                (GRAD_SCALER_DEFAULTDICT_IMPORT, GRAD_SCALER_UPDATE_ON_DEVICE),
+                ("tests/test_grad_scaler_update.py",),
+            ),
+        ),
+    ),
+    PullRequest(
+        "16-exact-mode-overflow-on-device",
+        (
+            Commit(
+                "GradScaler: skip an overflowing micro-step of exact mode on the device",
+                "With reuse_grad_buffers=False, scaler.step(opt) went through torch's GradScaler.step, which reads "
+                "found_inf on the host to decide whether to call opt.step(): a host read per micro-step. On an "
+                "accelerator, hivemind.GradScaler now always calls opt.step() and hands it found_inf, as torch's "
+                "GradScaler hands it to optimizers that support it. GradientAverager.accumulate_grads_(found_inf=) "
+                "zeroes the gradients of an overflowing micro-step on the device before its fused add, and "
+                "load_accumulators_into_averager_ reads the flags once per round to take the skipped micro-steps "
+                "out of the sample count and of the mean. On the CPU, where a host read stalls nothing, the step "
+                "is unchanged.",
+                (HOST_READ_STALLS, GRAD_SCALER_STEP_ON_DEVICE, OPTIMIZER_PASSES_FOUND_INF, FOUND_INFS_INIT,
+                 FOUND_INF_PARAM, FOUND_INF_SKIP, FOUND_INF_COUNT, FOUND_INFS_RESET),
+                ("tests/test_grad_scaler_exact_mode.py", "benchmarks/benchmark_grad_scaler_step.py"),
+            ),
+        ),
+    ),
+    PullRequest(
+        "17-power-sgd-weight-zero",
+        (
+            Commit(
+                "PowerSGDGradientAverager: keep the error feedback as it was in a round joined with weight 0",
+                "A peer that joins a PowerSGD round with weight 0 (step(weight=0), or a round the Optimizer tags "
+                "along with) sends nothing to compress, but the round still added its local gradients into its "
+                "error-feedback residual and subtracted the group's result from it. The next round sent that "
+                "residual: in the test below, the second round averaged to twice the gradients both peers had. "
+                "With weight 0 the residual is now left as it was.",
+                (NONFINITE_GRADS_POWER_SGD_ADD, NONFINITE_GRADS_POWER_SGD_SUB),
+                ("tests/test_power_sgd_weight_zero.py",),
             ),
         ),
     ),
@@ -580,20 +746,18 @@ class StackError(Exception):
 
 
 def write_pull_requests(
-    package_dir: Path, out: Path, author: Optional[str] = None, pull_requests: Sequence[PullRequest] = PULL_REQUESTS
+    package_dir: Path, out: Path, author: str, pull_requests: Sequence[PullRequest] = PULL_REQUESTS
 ) -> Dict[str, List[Path]]:
     """
     Write ``out/NN-slug/`` for each pull request: its ``git format-patch`` series and ``description.md``.
 
     :param package_dir: hivemind's package directory (``.../hivemind``) the patches are made against
     :param out: the folder that receives one folder per pull request (replaced if present)
-    :param author: "Name <email>" for the commits; default: the caller's git identity (``git config user.name``,
-      ``user.email``), else DEFAULT_AUTHOR
+    :param author: "Name <email>" for the commits: the contributor who sends them (required, no default)
     :returns: the patch files, by slug
     :raises StackError: an edit does not match hivemind's text, or a prerequisite is unknown
     """
     by_slug = {pr.slug: pr for pr in pull_requests}
-    author = author or _git_identity() or DEFAULT_AUTHOR
     if out.exists():
         shutil.rmtree(out)
     written = {}
@@ -661,17 +825,8 @@ def _wrap(text: str) -> str:
     return textwrap.fill(" ".join(text.split()), width=72, break_on_hyphens=False)
 
 
-def _git_identity() -> Optional[str]:
-    """the caller's git identity as "Name <email>", if both are configured"""
-    values = []
-    for key in "user.name", "user.email":
-        result = subprocess.run(["git", "config", key], capture_output=True, text=True)
-        values.append(result.stdout.strip() if result.returncode == 0 else "")
-    return f"{values[0]} <{values[1]}>" if all(values) else None
-
-
 def _git_env(author: str) -> Dict[str, str]:
-    match = re.fullmatch(r"\s*(.+?)\s*<([^>]+)>\s*", author)
+    match = re.fullmatch(r"\s*(.+?)\s*<([^>]+)>\s*", author or "")
     if match is None:
         raise StackError(f"author {author!r}: expected 'Name <email>'")
     name, email = match.groups()

@@ -36,27 +36,6 @@ def test_accumulate_grads_is_one_foreach_add_per_dtype(dtypes):
 
 
 @pytest.mark.forked
-def test_accumulate_grads_of_another_dtype():
-    dht = DHT(start=True)
-    model = nn.Linear(3, 2)
-    averager = GradientAverager(model.parameters(), dht=dht, prefix="test", reuse_grad_buffers=False, start=False)
-    dht.shutdown()
-    model.half()  # the accumulators stay float32: each float16 gradient is added on its own
-
-    reference = [torch.zeros_like(accumulator) for accumulator in averager._grad_accumulators()]
-    for batch_size in 2, 3:
-        for param, expected in zip(model.parameters(), reference):
-            param.grad = torch.full_like(param, 1 / 3)
-            expected.add_(param.grad.float(), alpha=batch_size / 2)
-        with mock.patch.object(torch, "_foreach_add_", wraps=torch._foreach_add_) as foreach_add:
-            averager.accumulate_grads_(batch_size=batch_size)
-        assert foreach_add.call_count == 0
-
-    for accumulator, expected in zip(averager._grad_accumulators(), reference):
-        assert accumulator.dtype == torch.float32 and torch.equal(accumulator, expected)
-
-
-@pytest.mark.forked
 def test_accumulate_sparse_grads():
     dht = DHT(start=True)
     embedding = nn.Embedding(4, 3, sparse=True)
