@@ -394,7 +394,7 @@ PROGRESS_REPORT_WAKEUPS = Edit(
         "            self._delayed_report.start()\n"
         "\n"
         "    def _peers_need_report_now(self, progress: LocalTrainingProgress) -> bool:\n"
-        "        \"\"\"Peers fetch progress at most every min_refresh_period and extrapolate it at the reported speed\"\"\"\n"
+        "        \"\"\"Whether to wake the reporter now (peers fetch at most every min_refresh_period, extrapolating in between)\"\"\"\n"
         "        last_progress = self._last_wakeup_progress\n"
         "        return (\n"
         "            last_progress is None\n"
