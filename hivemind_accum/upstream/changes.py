@@ -134,13 +134,14 @@ and torch.amp), above requirements.txt's torch>=1.9.0.
 )
 
 PROGRESS_RECORD = Change(
-    subject="ProgressTracker: build the progress record when it is read, not at every micro-step",
+    subject="ProgressTracker: build the progress record when it is read, and publish it when peers would see it",
     why="""
 report_local_progress built and validated a pydantic LocalTrainingProgress on every micro-step, about half of the
-no-sync step's host time on a 400-tensor model, although peers see the record only when the reporter thread
-publishes it. The step now stores the plain values; the record is built when it is read or published, with the
-same fields and refresh behaviour. Arguments that are not plain non-negative ints still raise the model's
-ValidationError at once.
+no-sync step's host time on a 400-tensor model, and woke the reporter thread (a DHT store) every time, although
+peers see the record only when they refresh. The step now stores the plain values; the record is built when it is
+read or published, with the same fields. The reporter is woken at once for a new epoch, a reset, a reached target
+or half of min_refresh_period since the last wake-up; other reports are published by a timer at most that late.
+Arguments that are not plain non-negative ints still raise the model's ValidationError at once.
 """,
     enters=("progress_tracker",),
 )

@@ -509,6 +509,68 @@ FOUND_INFS_RESET = Edit(
     ),
 )
 
+PROGRESS_REPORT_STATE = Edit(
+    path="optim/progress_tracker.py",
+    old="        self.shutdown_triggered, self.shutdown_complete = threading.Event(), threading.Event()\n",
+    new=(
+        "        self.shutdown_triggered, self.shutdown_complete = threading.Event(), threading.Event()\n"
+        "        self._last_wakeup_progress: Optional[LocalTrainingProgress] = None\n"
+        "        self._delayed_report: Optional[threading.Timer] = None\n"
+    ),
+)
+
+PROGRESS_REPORT_WAKEUPS = Edit(
+    path="optim/progress_tracker.py",
+    old=(
+        "        self.local_progress = self._get_local_progress(local_epoch, samples_accumulated)\n"
+        "        self.should_report_progress.set()\n"
+    ),
+    new=(
+        "        self.local_progress = self._get_local_progress(local_epoch, samples_accumulated)\n"
+        "        if self._peers_need_report_now(self.local_progress):\n"
+        "            self._last_wakeup_progress = self.local_progress\n"
+        "            self.should_report_progress.set()\n"
+        "        elif self._delayed_report is None:\n"
+        "            # publish this report (or a later one) at most min_refresh_period / 2 after the last wake-up\n"
+        "            delay = self._last_wakeup_progress.time + self.min_refresh_period / 2 - self.local_progress.time\n"
+        "            self._delayed_report = threading.Timer(max(0.0, delay), self._report_delayed_progress)\n"
+        "            self._delayed_report.daemon = True\n"
+        "            self._delayed_report.start()\n"
+        "\n"
+        "    def _peers_need_report_now(self, progress: LocalTrainingProgress) -> bool:\n"
+        "        \"\"\"Whether to wake the reporter now (peers fetch at most every min_refresh_period, extrapolating in between)\"\"\"\n"
+        "        last_progress = self._last_wakeup_progress\n"
+        "        return (\n"
+        "            last_progress is None\n"
+        "            or progress.epoch != last_progress.epoch\n"
+        "            or progress.samples_accumulated < last_progress.samples_accumulated  # progress was reset\n"
+        "            or max(progress.samples_accumulated, self.global_progress.samples_accumulated) >= self.target_batch_size\n"
+        "            or progress.time - last_progress.time >= self.min_refresh_period / 2\n"
+        "        )\n"
+        "\n"
+        "    def _report_delayed_progress(self):\n"
+        "        self._delayed_report = None\n"
+        "        self._last_wakeup_progress = self.local_progress\n"
+        "        self.should_report_progress.set()\n"
+    ),
+)
+
+PROGRESS_REPORT_SHUTDOWN = Edit(
+    path="optim/progress_tracker.py",
+    old=(
+        "        self.shutdown_triggered.set()\n"
+        "        self.should_report_progress.set()\n"
+    ),
+    new=(
+        "        self.shutdown_triggered.set()\n"
+        "        delayed_report = self._delayed_report\n"
+        "        if delayed_report is not None:\n"
+        "            delayed_report.cancel()\n"
+        "        self.should_report_progress.set()\n"
+    ),
+)
+
+
 PULL_REQUESTS: Sequence[PullRequest] = (
     PullRequest(
         "01-fused-accumulation",
@@ -735,6 +797,24 @@ PULL_REQUESTS: Sequence[PullRequest] = (
                 "With weight 0 the residual is now left as it was.",
                 (NONFINITE_GRADS_POWER_SGD_ADD, NONFINITE_GRADS_POWER_SGD_SUB),
                 ("tests/test_power_sgd_weight_zero.py",),
+            ),
+        ),
+    ),
+    PullRequest(
+        "18-progress-reporter-wakeups",
+        (
+            Commit(
+                "ProgressTracker: wake the reporter only when peers would see the report",
+                "report_local_progress runs on every no-sync Optimizer.step() and woke the reporter thread every "
+                "time: one DHT store and one LocalTrainingProgress.dict() per micro-step (related to #566), "
+                "although peers fetch progress at most every min_refresh_period and extrapolate it at the reported "
+                "speed in between. A report now wakes the reporter at once only for the first report, a new epoch, "
+                "progress that went back (a reset), a swarm that may have reached target_batch_size, or when "
+                "min_refresh_period / 2 has passed since the last wake-up. Any other report is published by a "
+                "timer at most min_refresh_period / 2 after the last wake-up; shutdown() cancels it. So the "
+                "samples and speed peers read are at most min_refresh_period / 2 older than the last report.",
+                (PROGRESS_REPORT_STATE, PROGRESS_REPORT_WAKEUPS, PROGRESS_REPORT_SHUTDOWN),
+                ("tests/test_progress_tracker.py", "benchmarks/benchmark_progress_reports.py"),
             ),
         ),
     ),
