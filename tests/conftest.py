@@ -1,4 +1,5 @@
 import contextlib
+import faulthandler
 import gc
 import os
 import pickle
@@ -15,6 +16,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+from hivemind.utils.mpfuture import MPFuture  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 # Skip conditions on CUDA, evaluated when a test sets up (for a @pytest.mark.forked test: in its own process), never
@@ -156,6 +158,43 @@ def shutting_down(*averagers):
         for averager in averagers:
             if averager.is_alive():
                 averager.shutdown()
+
+
+PYTEST_PID = os.getpid()  # the pytest process; a forked test runs in a child of it
+
+
+@pytest.fixture(autouse=True)
+def forked_test_time_limit(request):
+    """
+    A forked test that runs within 10 s of its time limit (``@pytest.mark.timeout(s)``, else pytest.ini's ``timeout``)
+    prints every thread's stack and exits, so pytest reports it as crashed and goes on. pytest-timeout's alarm rings in
+    the pytest process instead, which is waiting for the child: it stops the whole run with an INTERNALERROR.
+    """
+    if os.getpid() == PYTEST_PID:
+        yield
+        return
+    marker = request.node.get_closest_marker("timeout")
+    try:
+        limit = float(marker.args[0]) if marker and marker.args else float(request.config.getini("timeout"))
+    except (ValueError, TypeError):  # pytest-timeout left out (-p no:timeout): no ini option
+        limit = 300.0
+    faulthandler.dump_traceback_later(max(limit - 10, 1.0), exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(autouse=True)
+def fresh_mpfuture_locks():
+    """
+    Each test starts with fresh process-shared locks in hivemind's MPFuture (``MPFuture.reset_backend()``, in the
+    process that runs the test). They are created at import and inherited by every process forked later; a peer
+    process stopped while it held one (``DHT.shutdown`` terminates a DHT that outlives its grace period) leaves it held,
+    and every later DHT then hangs at start, in ``set_result`` of its ready future.
+    """
+    MPFuture.reset_backend()
+    yield
 
 
 @pytest.fixture
