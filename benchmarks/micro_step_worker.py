@@ -125,7 +125,7 @@ class Loop:
         self.model = build_model(model_name).to(device)
         self.generator = torch.Generator(device=device).manual_seed(1)
         self.opt = self.own_dht = None
-        if impl not in ("native",):
+        if impl != "native":
             import hivemind
 
             import hivemind_accum

@@ -81,10 +81,9 @@ def work_section(rows: Sequence[Dict[str, Any]], load: Optional[str] = None) -> 
     if load:
         rows = [dict(row, x_native=None) for row in rows]
         notes.append(f"x native left out: {load.replace('not judged: ', '')}")
-    elif any(row.get("x_native") is not None and row["x_native"] < 1 for row in rows):
-        faster = ", ".join(f"{row['label']} {row['x_native']:.3f}" for row in rows
-                           if row.get("x_native") is not None and row["x_native"] < 1)
-        notes += [f"x native below 1: {faster}", "  one process per mode: within the noise between processes; "
+    elif faster := [row for row in rows if row.get("x_native") is not None and row["x_native"] < 1]:
+        ratios = ", ".join(f"{row['label']} {row['x_native']:.3f}" for row in faster)
+        notes += [f"x native below 1: {ratios}", "  one process per mode: within the noise between processes; "
                   "python -m benchmarks.host_cpu compares modes"]
     return (f"Work per no-sync micro-step, one process per mode in turn ({rows[0]['params'] / 1e6:.1f} M "
             f"parameters in {rows[0]['tensors']} tensors; fp32 unless fp16):\n{format_table(rows, WORK_COLUMNS)}"
