@@ -164,7 +164,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
 
-    # hivemind 1.1.12's DHT logs a request whose sender exited as an error, at shutdown: noise (UPSTREAM.md)
+    # hivemind 1.1.12's DHT logs a request whose sender exited as an error, at shutdown: noise (docs/upstream.md)
     hivemind_accum.silence_exited_sender_errors()
     strategy = make_strategy(
         args.initial_peers, args.target_batch_size, reuse_grad_buffers=args.in_place, host_maddrs=args.host_maddrs,

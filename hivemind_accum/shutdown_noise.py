@@ -6,7 +6,7 @@ whose sending process has exited.
 fetches that pipe's file descriptor from the sender through ``multiprocessing.resource_sharer``, over a Unix socket the
 sender removes when it exits. When the sender has already exited, this raises ``FileNotFoundError`` ([Errno 2]),
 ``ConnectionRefusedError`` or ``ConnectionResetError``, and hivemind logs ``[ERROR] [hivemind.dht.dht._run:130]`` and
-drops the request. Nothing else is lost: no process waits for the request's result (UPSTREAM.md, "shutdown noise").
+drops the request. Nothing else is lost: no process waits for the request's result (docs/upstream.md, "Shutdown noise").
 """
 import logging
 import multiprocessing

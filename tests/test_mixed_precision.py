@@ -391,7 +391,7 @@ def test_disabled_grad_scaler_counts_as_none(scaler_kind, reuse_grad_buffers):
             with pytest.warns(UserWarning, match="CUDA is not available.  Disabling"):
                 scaler = hivemind.GradScaler()
             assert not scaler.is_enabled()
-            with pytest.raises(AttributeError, match="_per_optimizer_states"):  # upstream 1.1.12, see UPSTREAM.md
+            with pytest.raises(AttributeError, match="_per_optimizer_states"):  # upstream 1.1.12, see docs/upstream.md
                 scaler.update()
     epoch, params, *_ = train(scaler_kind, reuse_grad_buffers=reuse_grad_buffers)
     expected, _ = native_reference(drop="micro_step")

@@ -7,7 +7,6 @@ under codespell.
 """
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,26 +15,21 @@ from pathlib import Path
 
 import pytest
 
-from hivemind_accum.upstream import installed_hivemind
-from hivemind_accum.upstream.stack import PULL_REQUESTS, PULL_REQUESTS_DIR, write_pull_requests
+from hivemind_accum.upstream import PULL_REQUESTS_DIR, apply_pull_requests, git_tree, installed_hivemind, pull_requests
 
 BIN = Path(sys.executable).parent
 GIT = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
 AUTHOR = "Test Contributor <contributor@example.com>"
+PULL_REQUESTS = pull_requests()
 
 
 @pytest.fixture(scope="module")
 def hivemind_tree(tmp_path_factory):
-    """the generated pull requests, and a git repository whose first commit holds the installed hivemind package"""
-    root = tmp_path_factory.mktemp("pull_requests")
-    prs = root / "prs"
-    write_pull_requests(installed_hivemind(), prs, AUTHOR)
-    tree = root / "hivemind"
-    shutil.copytree(installed_hivemind(), tree / "hivemind", ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run(GIT + ["init", "-q", "-b", "master"], cwd=tree, check=True)
-    subprocess.run(GIT + ["add", "-A"], cwd=tree, check=True)
-    subprocess.run(GIT + ["commit", "-q", "-m", "hivemind"], cwd=tree, check=True)
-    return prs, tree
+    """a git repository whose first commit, on branch master, holds the installed hivemind package"""
+    tree = tmp_path_factory.mktemp("pull_requests") / "hivemind"
+    git_tree(installed_hivemind(), tree, AUTHOR)
+    subprocess.run(GIT + ["branch", "-M", "master"], cwd=tree, check=True)
+    return tree
 
 
 def _pytest(tree: Path, files):
@@ -66,34 +60,16 @@ def test_every_pull_request_has_a_test_and_a_description():
         assert (pr.folder / "description.md").read_text().startswith("# "), pr.slug
 
 
-def test_generator_needs_an_author(tmp_path):
-    """no placeholder identity: without --author or git's user.name and user.email the generator stops, says how to
-    set it and writes nothing; with git's identity set, that is the author"""
-    (tmp_path / "empty").write_text("")
-    env = dict(os.environ, HOME=str(tmp_path), GIT_CONFIG_GLOBAL=str(tmp_path / "empty"), GIT_CONFIG_NOSYSTEM="1")
-    command = [sys.executable, "-m", "hivemind_accum.upstream", "--out", str(tmp_path / "out")]
-    run = subprocess.run(command, capture_output=True, text=True, env=env)
-    assert run.returncode == 2 and '--author "Your Name <you@example.com>"' in run.stderr
-    assert not (tmp_path / "out").exists()
-    (tmp_path / "gitconfig").write_text("[user]\n\tname = Ada Lovelace\n\temail = ada@example.org\n")
-    run = subprocess.run(command, capture_output=True, text=True, env=dict(env, GIT_CONFIG_GLOBAL=str(tmp_path / "gitconfig")))
-    assert run.returncode == 0, run.stderr
-    patch = sorted((tmp_path / "out" / "prs").glob("*/*.patch"))[0]
-    assert "From: Ada Lovelace <ada@example.org>" in patch.read_text()
-
-
 @pytest.mark.parametrize("pr", PULL_REQUESTS, ids=lambda pr: pr.slug)
 def test_pull_request_applies_and_its_tests_need_its_change(hivemind_tree, pr):
-    prs, tree = hivemind_tree
+    tree = hivemind_tree
     subprocess.run(GIT + ["checkout", "-q", "-f", "master"], cwd=tree, check=True)
     subprocess.run(GIT + ["clean", "-q", "-fdx"], cwd=tree, check=True)
     subprocess.run(GIT + ["checkout", "-q", "--detach"], cwd=tree, check=True)
-    for slug in pr.depends + [pr.slug]:
-        applied = subprocess.run(GIT + ["am", "-q", *sorted(map(str, (prs / slug).glob("*.patch")))], cwd=tree,
-                                 capture_output=True, text=True)
-        assert applied.returncode == 0, f"{slug} does not apply with git am: {applied.stderr}"
+    by_slug = {other.slug: other for other in PULL_REQUESTS}
+    apply_pull_requests(tree, [by_slug[slug] for slug in pr.depends] + [pr], AUTHOR)
 
-    touched = subprocess.run(GIT + ["diff", "--name-only", f"HEAD~{len(pr.commits)}", "HEAD"], cwd=tree, check=True,
+    touched = subprocess.run(GIT + ["diff", "--name-only", f"HEAD~{len(pr.patches)}", "HEAD"], cwd=tree, check=True,
                              capture_output=True, text=True).stdout.split()
     config = str(PULL_REQUESTS_DIR / "ruff.toml")
     for command in ["check", "--config", config], ["format", "--check", "--config", config]:
@@ -105,6 +81,20 @@ def test_pull_request_applies_and_its_tests_need_its_change(hivemind_tree, pr):
     code, summary = _pytest(tree, pr.test_files)
     assert code == 0 and "passed" in summary, f"{pr.slug}'s tests with its change: {summary}"
 
-    subprocess.run(GIT + ["checkout", "-q", f"HEAD~{len(pr.commits)}", "--", "hivemind"], cwd=tree, check=True)
+    subprocess.run(GIT + ["checkout", "-q", f"HEAD~{len(pr.patches)}", "--", "hivemind"], cwd=tree, check=True)
     code, summary = _pytest(tree, pr.test_files)
     assert code == 1 and "failed" in summary, f"{pr.slug}'s tests without its change: {summary}"
+
+
+@pytest.mark.timeout(1200)
+def test_every_pull_requests_tests_pass_with_all_applied(hivemind_tree):
+    """the stack as a maintainer who merged it all would run it: each pull request's tests on the tree with every
+    pull request applied"""
+    tree = hivemind_tree
+    subprocess.run(GIT + ["checkout", "-q", "-f", "master"], cwd=tree, check=True)
+    subprocess.run(GIT + ["clean", "-q", "-fdx"], cwd=tree, check=True)
+    subprocess.run(GIT + ["checkout", "-q", "--detach"], cwd=tree, check=True)
+    apply_pull_requests(tree, PULL_REQUESTS, AUTHOR)
+    files = sorted({path for pr in PULL_REQUESTS for path in pr.test_files})
+    code, summary = _pytest(tree, files)
+    assert code == 0 and "passed" in summary and "failed" not in summary, summary

@@ -44,8 +44,8 @@ def settle_background_requests(opt: hivemind.Optimizer, dht: hivemind.DHT) -> No
     Wait until the optimizer's averagers and the DHT have handled every request the last epoch started.
 
     Each epoch makes every averager announce its state through the DHT. If an averager's process exits before the
-    DHT reads that request, hivemind 1.1.12's DHT logs ``[Errno 2] No such file or directory`` (UPSTREAM.md,
-    "shutdown noise"). Call this before :meth:`hivemind.Optimizer.shutdown`.
+    DHT reads that request, hivemind 1.1.12's DHT logs ``[Errno 2] No such file or directory`` (docs/upstream.md,
+    "Shutdown noise"). Call this before :meth:`hivemind.Optimizer.shutdown`.
 
     :param opt: a running optimizer that no longer steps
     :param dht: its DHT

@@ -36,7 +36,7 @@ TRAINING_COLUMNS = (
 KNOWN_ERRORS = (
     ("could not find a group", "a round found no partner in time; that peer used its local gradients"),
     # [Errno 2] No such file or directory, or [Errno 104] Connection reset by peer
-    ("[hivemind.dht.dht._run:130]", "the DHT read a request after its sender exited (UPSTREAM.md)"),
+    ("[hivemind.dht.dht._run:130]", "the DHT read a request after its sender exited (docs/upstream.md)"),
     ("Unable to run All-Reduce", "an all-reduce failed midway (a peer was late); that round stayed local"),
 )
 
