@@ -147,9 +147,9 @@ def test_amp_loop_host_reads_per_no_sync_micro_step(behaviour):
     off at once in both. Upstream reads the host twice per micro-step (found_inf in GradScaler.step and
     GradScaler.update), the patched tree never (PRs 15, 19 and 20)"""
     patched, upstream = behaviour["patched"], behaviour["upstream"]
-    assert upstream["amp_host_reads"] == [2, 2, 2]
-    assert patched["amp_host_reads"] == [0, 0, 0]
-    assert patched["amp_scales"] == upstream["amp_scales"] == [2.0**10, 2.0**9, 2.0**9]
+    assert upstream["amp_host_reads"] == [2, 2, 2, 2]
+    assert patched["amp_host_reads"] == [0, 0, 0, 0]
+    assert patched["amp_scales"] == upstream["amp_scales"] == [2.0**10, 2.0**9, 2.0**9, 2.0**9]
     assert patched["amp_epoch"] == upstream["amp_epoch"] == 0
 
 
@@ -162,3 +162,17 @@ def test_in_place_mode_equals_native_accumulation_with_grads_set_to_none(behavio
     for averaged, native in zip(behaviour["patched"]["in_place"], behaviour["patched"]["native"]):
         assert native.abs().sum() > 0
         torch.testing.assert_close(averaged, native.to(averaged.dtype))
+
+
+def test_566_loop_reads_nothing_on_the_host_and_runs_as_many_ops_for_any_model(behaviour):
+    """hivemind#566's configuration (exact mode, hivemind.GradScaler, fp16 compression, offloaded optimizer, delayed
+    optimizer step and state averaging): no host read in a no-sync micro-step, overflowing or not; the no-sync
+    scaler.step(opt) runs the same operators for 4 and 16 parameter tensors (upstream: one add_ per tensor)"""
+    patched, upstream = behaviour["patched"]["amp_566"], behaviour["upstream"]["amp_566"]
+    for layers in 2, 8:
+        assert patched[layers]["reads"] == [0, 0, 0, 0] and upstream[layers]["reads"] == [2, 2, 2, 2]
+        assert patched[layers]["scales"] == upstream[layers]["scales"] == [2.0**10, 2.0**9, 2.0**9, 2.0**9]
+        assert patched[layers]["epoch"] == upstream[layers]["epoch"] == 0
+        assert upstream[layers]["ops"].count("aten::add_") == 2 * layers
+    assert patched[2]["ops"] == patched[8]["ops"]
+    assert patched[2]["ops"].count("aten::_fused_sgd_") == 1 and "aten::item" not in patched[2]["ops"]

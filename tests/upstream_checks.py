@@ -12,9 +12,11 @@ import os
 import pkgutil
 import sys
 import traceback
+from typing import Optional
 
 import hivemind
 import torch
+from hivemind.compression import Float16Compression
 from hivemind.optim.grad_averager import GradientAverager
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -134,30 +136,53 @@ class HostReads(TorchDispatchMode):
 
 
 def amp_host_reads(dht) -> dict:
-    """host reads of each of three no-sync micro-steps' loop (zero_grad, scale(loss).backward(), scaler.step(opt),
+    """host reads of each of four no-sync micro-steps' loop (zero_grad, scale(loss).backward(), scaler.step(opt),
     update()) with hivemind.GradScaler in exact mode, the second micro-step overflowing, and the scale after each"""
+    reads, scales, epoch = _amp_loop(dht, "amp_reads", layers=2)
+    return dict(amp_host_reads=reads, amp_scales=scales, amp_epoch=epoch)
+
+
+def amp_566(dht) -> dict:
+    """the same loop in hivemind#566's configuration (fp16 compression, offloaded optimizer, delayed optimizer step and
+    state averaging), on models of 4 and 16 parameter tensors: host reads per micro-step and the top-level operators of
+    scaler.step(opt), the no-sync step"""
+    found = {}
+    for layers in 2, 8:
+        found[layers] = _amp_loop(
+            dht, f"amp_566_{layers}", layers=layers, grad_compression=Float16Compression(),
+            state_averaging_compression=Float16Compression(), offload_optimizer=True, delay_optimizer_step=True,
+            delay_state_averaging=True, profile_step=3,
+        )
+    return dict(amp_566={layers: dict(reads=r, scales=s, epoch=e, ops=o) for layers, (r, s, e, o) in found.items()})
+
+
+def _amp_loop(dht, run_id: str, layers: int, profile_step: Optional[int] = None, **options):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    model = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(layers)))
     opt = hivemind.Optimizer(
-        dht=dht, run_id="amp_reads", params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-        target_batch_size=10**9, batch_size_per_step=2, tracker_opts=SINGLE_PEER_TRACKER,
+        dht=dht, run_id=run_id, params=model.parameters(), optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        target_batch_size=10**9, batch_size_per_step=2, tracker_opts=SINGLE_PEER_TRACKER, **options,
     )
     scaler = hivemind.GradScaler("cpu", init_scale=2.0**10)
-    reads, scales = [], []
+    reads, scales, ops = [], [], None
     try:
-        for step in range(4):
+        for step in range(5):
             gc.collect()  # a collected StepControl reads its state on the host in __del__
             with HostReads() as counted:
                 opt.zero_grad()
                 generator = torch.Generator().manual_seed(step)
                 loss = model(torch.randn(2, 6, generator=generator)).square().mean()
                 scaler.scale(loss * (float("inf") if step == 2 else 1.0)).backward()
-                scaler.step(opt)
+                if step == profile_step:
+                    ops = top_level_ops(lambda: scaler.step(opt))
+                else:
+                    scaler.step(opt)
                 scaler.update()
             if step:  # the first micro-step builds the scaler's state
                 reads.append(counted.count)
                 scales.append(scaler.get_scale())
-        return dict(amp_host_reads=reads, amp_scales=scales, amp_epoch=opt.local_epoch)
+        result = (reads, scales, opt.local_epoch)
+        return result + (ops,) if profile_step is not None else result
     finally:
         opt.shutdown()
 
@@ -176,7 +201,7 @@ def imports(dht) -> dict:
 CHECKS = {
     check.__name__: check
     for check in (
-        exact_mode, in_place_mode, no_sync_accumulation, no_sync_step, amp_host_reads, imports,
+        exact_mode, in_place_mode, no_sync_accumulation, no_sync_step, amp_host_reads, amp_566, imports,
     )
 }
 
