@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hivemind_accum
-from hivemind_accum.optim.round_guard import StepDecisions
+from hivemind_accum.rounds.step_gate import StepDecisions
 from tests.conftest import SINGLE_PEER_TRACKER
 
 WINDOW = 3  # micro-steps per epoch
