@@ -17,11 +17,10 @@ failed-round fallback and the finite check (:mod:`hivemind_accum.rounds`); how a
 """
 import operator
 import warnings
-from typing import ContextManager, Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.control import StepControl
 from hivemind.dht import DHT
 from hivemind.optim import grad_averager as upstream
 from hivemind.utils import get_logger
@@ -30,7 +29,7 @@ from hivemind_accum.arguments import check_averaged_grads, check_micro_step
 from hivemind_accum.buffers.buckets import LOW_PRECISION, GradientBuckets
 from hivemind_accum.buffers.finite_add import DroppedMicroSteps
 from hivemind_accum.buffers.views import GradViews
-from hivemind_accum.integration import workarounds
+from hivemind_accum.integration.round_keeping import KeepsRoundsForFallback
 from hivemind_accum.integration.schema_mismatch import ReportsSchemaMismatch, SchemaMismatchLogger
 from hivemind_accum.rounds.fallback import LocalFallback
 from hivemind_accum.rounds.finite import RoundGuard
@@ -38,7 +37,7 @@ from hivemind_accum.rounds.finite import RoundGuard
 logger = get_logger(__name__)
 
 
-class GradientAverager(ReportsSchemaMismatch, upstream.GradientAverager):
+class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.GradientAverager):
     """
     Accumulates gradients in persistent flat on-device buffers and aggregates them with peers.
 
@@ -79,8 +78,6 @@ class GradientAverager(ReportsSchemaMismatch, upstream.GradientAverager):
     :raises ValueError: naming the parameter, for an empty or invalid ``parameters`` (naming both positions of a
       tensor listed twice) or a wrong ``averaged_grads``
     """
-
-    keep_local_fallback: bool = True  # see step(); subclasses whose all-reduce keeps state of its own may opt out
 
     def __init__(
         self,
@@ -253,54 +250,6 @@ class GradientAverager(ReportsSchemaMismatch, upstream.GradientAverager):
         if first_kept_batch_size:  # kept (not zeroed) so that later micro-steps do not overwrite it
             self._anchor_correction = self._anchor_batch_size / first_kept_batch_size
 
-    def step(
-        self,
-        weight: Optional[float] = None,
-        reset_accumulators: bool = True,
-        control: Optional[StepControl] = None,
-        timeout: Optional[float] = None,
-        wait: bool = True,
-        **kwargs,
-    ):
-        """
-        Average accumulated gradients with peers, as upstream's ``GradientAverager.step`` (same parameters), with one
-        difference: this round's local gradients are kept until the round is settled. If the round fails (the
-        all-reduce raises or times out), the next ``load_accumulators_into_averager_`` (which ``hivemind.Optimizer``
-        calls to "proceed with local gradients") loads them again, so the epoch's local work is not lost. They stay in
-        the accumulators (in place: in ``.grad``) until the round is settled (its result used or the fallback loaded);
-        a micro-step or ``reset_accumulated_grads_`` that comes earlier copies them to host memory first. Given a
-        ``control``, they are kept under it (``local_fallback.for_round(control)`` names the round), also while later
-        rounds begin: at most two rounds are kept, a third drops the oldest.
-
-        If this peer's gradients hold inf or NaN, they are replaced by zeros and, with ``weight=None`` (the default, as
-        ``hivemind.Optimizer`` calls it), the round's weight is 0: see ``load_accumulators_into_averager_``. An
-        explicit ``weight`` is used as given.
-        """
-        with self._beginning_round(control):
-            return super().step(
-                weight=weight, reset_accumulators=reset_accumulators, control=control, timeout=timeout, wait=wait,
-                **kwargs,
-            )
-
-    def _beginning_round(self, control: Optional[StepControl]) -> ContextManager:
-        """a context in which the round ``control`` begins: its local gradients are kept under ``control``; raises a
-        clear ``RuntimeError`` if the averager is not running"""
-        self._check_running("step")
-        return self.local_fallback.for_round(control, beginning=True)
-
-    def schedule_step(self, scheduled_time: Optional[float] = None, **kwargs) -> StepControl:
-        """as upstream's ``schedule_step``; raises a clear ``RuntimeError`` if the averager is not running"""
-        self._check_running("schedule_step")
-        return workarounds.state_first_control(super().schedule_step(scheduled_time, **kwargs))
-
-    def _check_running(self, method: str) -> None:
-        if not self.is_alive():
-            raise RuntimeError(
-                f"{type(self).__name__}.{method}: the averager is not running (it was shut down, or built with "
-                f"start=False and never started); call run_in_background() first or build a new averager. Local "
-                f"accumulation (accumulate_grads_, load_accumulators_into_averager_) works without it"
-            )
-
     @torch.no_grad()
     def reset_accumulated_grads_(self):
         """reset the micro-step counters and the accumulators (one ``zero_`` per bucket). Right after ``step`` loaded
@@ -360,21 +309,12 @@ class GradientAverager(ReportsSchemaMismatch, upstream.GradientAverager):
             if not self.round_guard.offer_(guarded, checksums, round_key=self.local_fallback.named_round):
                 self.local_samples_accumulated = 0  # step() then joins the round with weight 0 (and zeros)
 
-    def notify_used_averaged_gradients(self):
-        """Notify averager that the results of a previous averaging round are accounted for"""
-        self.local_fallback.settle()
-        super().notify_used_averaged_gradients()
-
     def flat_averaged_grads(self, averaged_grads: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """the averager's buffers (as given by ``get_tensors()``) as few tensors as possible, for one-pass checks: the
         flat shared buckets when this averager made them, else ``averaged_grads`` itself"""
         if self._averaged_buckets is None:
             return averaged_grads
         return [bucket.flat for bucket in self._averaged_buckets.buckets]
-
-    def discard_nonfinite_round_(self) -> None:
-        """called when a round's averaged gradients hold inf or NaN and are not used: nothing to do here, as this
-        averager keeps no state across rounds (see :class:`PowerSGDGradientAverager`, which does)"""
 
     def _averaged_target(self, averaged_grads: Sequence[torch.Tensor]):
         """the averager's buffers as a copy destination: flat buckets when this averager made them and they pair with
