@@ -3,7 +3,9 @@ A drop-in replacement for :class:`hivemind.optim.grad_averager.GradientAverager`
 constant number of fused operations (exact mode) or no tensor work at all (in-place mode).
 
 This module wires the package's parts into hivemind's class: the buffers (:mod:`hivemind_accum.buffers`), the
-failed-round fallback and the finite check (:mod:`hivemind_accum.rounds`); how a gradient travels, in three files
+failed-round fallback and the finite check (:mod:`hivemind_accum.rounds`). Its round methods are
+:mod:`~hivemind_accum.integration.round_keeping`'s, its matchmaking hooks
+:mod:`~hivemind_accum.integration.schema_mismatch`'s. How a gradient travels, in three files
 (docs/guide.md#a-gradients-path):
 
 1. ``loss.backward()`` writes ``param.grad`` (autograd).
