@@ -1,5 +1,5 @@
 """
-Cost of the per-round finiteness check (:func:`hivemind_accum.optim.round_guard.all_finite`) on host buffers of the
+Cost of the per-round finiteness check (:func:`hivemind_accum.rounds.finite.all_finite`) on host buffers of the
 averager's layout, next to the averaging-time load it follows (one scaled copy per flat bucket into the shared
 buffers) for scale.
 
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from hivemind_accum.optim.round_guard import all_finite
+from hivemind_accum.rounds.finite import all_finite
 
 
 def median_ms(fn, repeats: int) -> float:

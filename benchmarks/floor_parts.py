@@ -20,7 +20,7 @@ import timeit
 
 import torch
 
-from hivemind_accum.optim.torch_internals import non_finite_check_and_unscale_
+from hivemind_accum.torch_compat import non_finite_check_and_unscale_
 
 
 def _median_ms(fn, repeats: int) -> float:

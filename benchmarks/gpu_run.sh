@@ -83,7 +83,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 [ "$DEVICE" = cuda ] && { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true; }
 timeout "${LIMIT[environment]}" "$PYTHON" - "$DEVICE" <<'EOF' || { echo "environment check failed: see above"; exit 1; }
 import sys, platform, torch, hivemind, pytest
-from hivemind_accum.optim.torch_internals import check_grad_scaler_internals
+from hivemind_accum.torch_compat import check_grad_scaler_internals
 device = sys.argv[1]
 print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), hivemind "
       f"{hivemind.__version__}, pytest {pytest.__version__}")

@@ -18,7 +18,7 @@ import torch
 from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAverager
 
 from hivemind_accum import GradientAverager
-from hivemind_accum.optim import grad_buckets
+from hivemind_accum.buffers import buckets, finite_add
 
 # (label, averager class, constructor arguments, loss-scaled as on an accelerator)
 CONFIGURATIONS = (
@@ -45,7 +45,7 @@ def _tensors(obj, depth: int = 10) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from _tensors(item, depth - 1)
-    elif dataclasses.is_dataclass(obj) or isinstance(obj, grad_buckets.GradientBuckets):
+    elif dataclasses.is_dataclass(obj) or isinstance(obj, (buckets.GradientBuckets, finite_add.DroppedMicroSteps)):
         yield from _tensors(vars(obj), depth - 1)
 
 
@@ -72,9 +72,9 @@ def measure(dht, label: str, averager_cls, kwargs: dict, loss_scaled: bool, dtyp
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 16)).to(dtype)
     averager = averager_cls(model.parameters(), dht=dht, prefix=f"memory_{abs(hash((label, dtype)))}", start=False,
                             **kwargs)
-    host_check = grad_buckets._host_check_is_free
+    host_check = finite_add.host_check_is_free
     if loss_scaled:
-        grad_buckets._host_check_is_free = lambda buckets: False  # the accelerator's path, on the CPU
+        finite_add.host_check_is_free = lambda buckets: False  # the accelerator's path, on the CPU
     try:
         for _ in range(2):
             if not kwargs.get("reuse_grad_buffers"):
@@ -87,7 +87,7 @@ def measure(dht, label: str, averager_cls, kwargs: dict, loss_scaled: bool, dtyp
         elements = sum(p.numel() for p in model.parameters())
         return {group: nbytes / elements for group, nbytes in held_bytes(averager, model.parameters()).items()}
     finally:
-        grad_buckets._host_check_is_free = host_check
+        finite_add.host_check_is_free = host_check
 
 
 def main():

@@ -20,7 +20,7 @@ import hivemind_accum
 from benchmarks import micro_step_worker
 from benchmarks.kernel_launches import multi_tensor_launches
 from benchmarks.models import build_model
-from hivemind_accum.optim import grad_buckets
+from hivemind_accum.buffers import finite_add
 
 MODES = ("upstream", "exact", "in place")
 # bytes per float32 parameter element read + written by one no-sync step:
@@ -40,7 +40,7 @@ def host_reads() -> dict:
 
 
 def step_ops() -> dict:
-    grad_buckets._host_check_is_free = lambda buckets: False  # the accelerator's path, on the CPU
+    finite_add.host_check_is_free = lambda buckets: False  # the accelerator's path, on the CPU
     impls = {"upstream": "upstream_hivemind", "exact": "exact_hivemind", "in place": "inplace"}
     return {mode: micro_step_worker.run(impl, "mlp-200x8", steps=1, warmup=2, batch_size=4, threads=1,
                                         precision="fp16")["work"]["top_level_ops"] for mode, impl in impls.items()}

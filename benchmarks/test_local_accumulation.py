@@ -74,7 +74,7 @@ def test_no_sync_step(benchmark, sweep_results, model, impl):
     if impl == "exact" and not CUDA and model.endswith(":fp16"):
         # with fp16 loss scaling both make two passes over the gradients (exact: a read-only check, then the add with
         # the unscale folded in; upstream: unscale in place, then add) and on one core a read-only pass costs what a
-        # read-write one does (1.66 vs 1.61 ms per 8.4 M float32 elements, grad_buckets._add_finite_with_host_check):
+        # read-write one does (1.66 vs 1.61 ms per 8.4 M float32 elements, finite_add.add_finite_with_host_check):
         # a tie, so this guards parity (two quiet runs measured 3.80 vs 3.86 and 4.13 vs 3.89 ms on Linear-10M)
         assert median <= FP16_EXACT_PARITY * upstream, (
             f"exact no-sync step on {model} with fp16 loss scaling: {1e3 * median:.2f} ms, upstream "

@@ -8,8 +8,9 @@ import threading
 from hivemind.optim import optimizer as upstream_optimizer
 from hivemind.optim.grad_scaler import GradScaler as HivemindGradScaler
 
-from hivemind_accum.optim.grad_averager import GradientAverager, is_positive_int
-from hivemind_accum.optim.optimizer import Optimizer
+from hivemind_accum.arguments import is_positive_int
+from hivemind_accum.integration.grad_averager import GradientAverager
+from hivemind_accum.integration.optimizer import Optimizer
 
 _UPSTREAM = dict(
     GradientAverager=upstream_optimizer.GradientAverager,

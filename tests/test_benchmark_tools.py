@@ -22,7 +22,8 @@ from benchmarks.kernel_launches import (
     multi_tensor_launches,
 )
 from benchmarks.micro_step_worker import WORK_KEYS
-from hivemind_accum.optim import grad_buckets, torch_internals
+from hivemind_accum import torch_compat as torch_internals
+from hivemind_accum.buffers import finite_add
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -134,7 +135,7 @@ def test_exact_step_runs_a_fixed_number_of_other_ops(model, impl, other_ops):
     kernel target counts on"""
     if not torch_internals.has_add_unless_found_inf(torch.device("cpu"), torch.float32):
         pytest.skip(f"torch {torch.__version__} has no CPU kernel for _fused_sgd_: CUDA's path cannot run here")
-    grad_buckets._host_check_is_free = lambda buckets: False
+    finite_add.host_check_is_free = lambda buckets: False
     result = micro_step_worker.run(impl, model, steps=1, warmup=2, batch_size=4, threads=1, precision="fp16")
     assert result["work"]["top_level_ops"] == 2 + other_ops, result["work"]
 

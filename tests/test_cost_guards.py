@@ -19,8 +19,9 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.kernel_launches import multi_tensor_launches
 import hivemind_accum
 from hivemind_accum import GradientAverager
-from hivemind_accum.optim import grad_buckets, torch_internals
-from hivemind_accum.optim.grad_buckets import GradientBuckets
+from hivemind_accum import torch_compat as torch_internals
+from hivemind_accum.buffers import finite_add
+from hivemind_accum.buffers.buckets import GradientBuckets
 from tests.conftest import DEVICES, NEEDS_CUDA, SINGLE_PEER_TRACKER, DispatchedOps
 from tests.test_mixed_precision import force_loss_scaling_path
 
@@ -185,7 +186,7 @@ def force_fused_add(fused: bool) -> None:
     test's own process (forked). The fused add needs a torch with a CPU kernel for ``_fused_sgd_`` (2.4 and later)"""
     if fused and not torch_internals.has_add_unless_found_inf(torch.device("cpu"), torch.float32):
         pytest.skip(f"torch {torch.__version__} has no CPU kernel for _fused_sgd_: the staging path runs here")
-    grad_buckets.has_add_unless_found_inf = lambda device, dtype: fused
+    finite_add.has_add_unless_found_inf = lambda device, dtype: fused
 
 
 # per (device path's add, tensors): the first micro-step's bytes allocated, and the top-level ops of every later one

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hivemind_accum
 from hivemind_accum import GradientAverager
-from hivemind_accum.optim.local_fallback import LocalFallback
+from hivemind_accum.rounds.fallback import LocalFallback
 from tests.conftest import DEVICES, MixedNet, mixed_batch, shutting_down, swarm
 
 

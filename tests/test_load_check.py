@@ -9,9 +9,9 @@ from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAve
 from torch.profiler import profile
 
 from hivemind_accum import GradientAverager
-from hivemind_accum.optim import grad_buckets
-from hivemind_accum.optim.grad_buckets import GradientBuckets
-from hivemind_accum.optim.round_guard import all_finite
+from hivemind_accum.buffers import buckets as grad_buckets
+from hivemind_accum.buffers.buckets import GradientBuckets
+from hivemind_accum.rounds.finite import all_finite
 
 
 def params_of(sizes, dtype=torch.float32):

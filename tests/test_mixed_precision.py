@@ -17,7 +17,9 @@ from hivemind.optim.grad_averager import GradientAverager as UpstreamGradientAve
 
 import hivemind_accum
 from hivemind_accum import GradientAverager
-from hivemind_accum.optim import grad_buckets, schema_mismatch, torch_internals
+from hivemind_accum import torch_compat as torch_internals
+from hivemind_accum.buffers import finite_add
+from hivemind_accum.integration import schema_mismatch
 from tests.conftest import (
     DEVICES, NEEDS_CUDA, SINGLE_PEER_TRACKER, MixedNet, mixed_batch, receive_by_value, send_by_value, shutting_down,
     swarm, without_cyclic_gc,
@@ -33,9 +35,9 @@ LOSS_SCALING_PATHS = ["host_check", "device_check", "device_staging"]
 def force_loss_scaling_path(path: str) -> None:
     """make add_finite_ take ``path`` even on CPU (it picks host_check when all data is on the CPU); call it in the
     process that trains (tests here are forked, so the change dies with the test)"""
-    grad_buckets._host_check_is_free = lambda buckets: path == "host_check"
+    finite_add.host_check_is_free = lambda buckets: path == "host_check"
     if path == "device_staging":
-        grad_buckets.has_add_unless_found_inf = lambda device, dtype: False
+        finite_add.has_add_unless_found_inf = lambda device, dtype: False
 
 
 @pytest.mark.forked
@@ -112,7 +114,7 @@ def test_overflowing_micro_step_is_dropped(dht, path, device):
         for avg, exp in zip(averaged, native, strict=True):
             torch.testing.assert_close(avg, exp.cpu() / 3)
     averager.reset_accumulated_grads_()
-    assert averager._dropped_micro_steps.item() == 0
+    assert averager._dropped.micro_steps.item() == 0
 
 
 @pytest.mark.forked

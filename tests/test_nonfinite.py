@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import hivemind_accum
-from hivemind_accum.optim.round_guard import RoundGuard, all_finite
+from hivemind_accum.rounds.finite import RoundGuard, all_finite
 from tests.conftest import receive_by_value, send_by_value, shutting_down, swarm, wait_for
 
 EPOCHS, MICRO_STEPS, BATCH = 3, 3, 2  # epochs: at most, and by default; the two-peer NaN tests need two
@@ -90,7 +90,7 @@ def test_all_finite():
 def test_round_guard_zeros_own_values_and_restores_them_after_a_nonfinite_result():
     guard = RoundGuard("values")
     own = [torch.tensor([1.0, float("nan")]), torch.tensor([2.0])]
-    guard.snapshot_(own)
+    guard.snapshot(own)
     round_e, later = RoundKey(), [RoundKey() for _ in range(5)]  # a round's key: its control, alive while it runs
     assert not guard.offer_(own, round_key=round_e) and not guard.own_finite
     assert all(torch.equal(tensor, torch.zeros_like(tensor)) for tensor in own)  # sent as zeros (with weight 0)
@@ -206,7 +206,7 @@ def test_powersgd_round_with_weight_zero_leaves_error_feedback_as_it_was(reuse_g
 @pytest.mark.forked
 def test_state_averager_does_not_share_a_nonfinite_state(dht):
     params = [torch.nn.Parameter(torch.ones(3))]
-    averager = hivemind_accum.optim.state_averager.TrainingStateAverager(
+    averager = hivemind_accum.integration.state_averager.TrainingStateAverager(
         dht=dht, prefix="nonfinite_state", optimizer=partial(torch.optim.SGD, lr=1.0), params=params, start=True
     )
     with shutting_down(averager):
@@ -325,7 +325,7 @@ def run_swarm(configs, epochs=EPOCHS):
     barrier = ctx.Barrier(len(configs))
     reached = ctx.Array("i", len(configs))  # each peer's local epoch, written after each of its transitions
     leaders = [rank for rank, config in enumerate(configs) if not always_bad(config)]  # the others wait for them
-    conns, processes = [], []
+    conns, processes, maddrs = [], [], None
     try:
         for rank, config in enumerate(configs):
             reader, writer = ctx.Pipe(duplex=False)

@@ -53,7 +53,7 @@ def train_one_peer(name: str, reuse_grad_buffers: bool = False, offload: bool = 
     process.start()
     *result, averager = receive_by_value(queue, timeout=120)
     process.join(timeout=60)
-    expected = "hivemind.optim.grad_averager" if name == "upstream" else "hivemind_accum.optim.grad_averager"
+    expected = "hivemind.optim.grad_averager" if name == "upstream" else "hivemind_accum.integration.grad_averager"
     assert averager == expected + ".GradientAverager"
     return result
 

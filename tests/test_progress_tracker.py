@@ -13,7 +13,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from pydantic.v1 import ValidationError
 
 import hivemind_accum
-from hivemind_accum.optim.progress_tracker import ProgressTracker
+from hivemind_accum.integration.progress_tracker import ProgressTracker
 from tests.conftest import swarm, wait_for
 
 # every test starts DHT processes: run each in its own forked process, so that later tests' forked peers inherit none
@@ -103,7 +103,7 @@ def test_invalid_reports_raise_as_upstream(dht, epoch, samples):
                 for cls in (ProgressTracker, upstream.ProgressTracker)]
     for tracker in trackers:
         tracker.report_local_progress(0, 1)
-        with pytest.raises((ValidationError, TypeError)) as raised:
+        with pytest.raises((ValidationError, TypeError)):
             tracker.report_local_progress(epoch, samples)
         assert tracker.local_progress.samples_accumulated == 1  # the failed report left the last record
     ours, theirs = trackers
@@ -161,7 +161,7 @@ def test_no_sync_micro_steps_wake_the_reporter_only_when_peers_would_see_it(monk
     publish at once at most that much later (a timer)"""
     from hivemind.optim import progress_tracker as upstream_module
 
-    from hivemind_accum.optim import progress_tracker as ours_module
+    from hivemind_accum.integration import progress_tracker as ours_module
 
     now = [1000.0]
     for module in (upstream_module, ours_module):

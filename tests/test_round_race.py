@@ -9,7 +9,6 @@ so each order in which they run happens in every run. The probe's gradient at mi
 ``j`` is the one-hot ``e_j``, so each optimizer step's gradient names the micro-steps it used. A cancelled round must
 read as cancelled when the averager's process learns of it, or that process runs its all-reduce anyway.
 """
-import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 import hivemind_accum
-from hivemind_accum.optim.round_guard import StepDecisions
+from hivemind_accum.rounds.step_gate import StepDecisions
 from tests.conftest import SINGLE_PEER_TRACKER
 
 WINDOW = 3  # micro-steps per epoch

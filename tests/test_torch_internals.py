@@ -1,5 +1,5 @@
 """
-The private torch interfaces of ``hivemind_accum/optim/torch_internals.py``: the contract holds on the installed
+The private torch interfaces of ``hivemind_accum/torch_compat/``: the contract holds on the installed
 torch release (CI runs this file on every release it covers), a changed interface is reported with the torch version
 and the interface at its first use, before anything is modified, the fused ops' sparse fallback gives the values of
 per-tensor ops, and setup.py, CI's environments and docs/compatibility.md name the same releases.
@@ -16,8 +16,10 @@ from packaging.requirements import Requirement
 
 import hivemind_accum
 from hivemind_accum import GradientAverager
-from hivemind_accum.optim import torch_internals
-from hivemind_accum.optim.torch_internals import (
+from hivemind_accum import torch_compat
+from hivemind_accum.torch_compat import checks, fused_ops
+from hivemind_accum.torch_compat import grad_scaler as scaler_internals
+from hivemind_accum.torch_compat import (
     TESTED_TORCH,
     TorchInternalsError,
     check_fused_ops,
@@ -28,7 +30,7 @@ from hivemind_accum.optim.torch_internals import (
     foreach_zero_,
     inv_loss_scale,
     loss_scale,
-    record_found_inf_,
+    record_found_inf,
 )
 from tests.conftest import SINGLE_PEER_TRACKER, DispatchedOps
 
@@ -58,10 +60,10 @@ def test_accessors_read_the_scale_and_the_stage():
     assert loss_scale(scaler).item() == SCALE
     assert inv_loss_scale(scaler, optimizer).item() == 1 / SCALE
     assert torch.equal(param.grad, torch.full((3,), SCALE))
-    record_found_inf_(scaler, optimizer)  # no record yet: 0.0 on the scale's device
+    record_found_inf(scaler, optimizer)  # no record yet: 0.0 on the scale's device
     scaler.unscale_(optimizer)
     assert inv_loss_scale(scaler, optimizer).item() == 1.0  # the loop unscaled: nothing left to unscale
-    record_found_inf_(scaler, optimizer, torch.tensor(1.0))
+    record_found_inf(scaler, optimizer, torch.tensor(1.0))
     scaler.step(optimizer)
     scaler.update()
     assert scaler.get_scale() == SCALE * 0.5  # update() read the recorded overflow and backed off
@@ -72,13 +74,13 @@ def version_and(what: str) -> str:
     return rf"torch {re.escape(torch.__version__)}: .*{what}"
 
 
-@pytest.mark.parametrize("accessor", ["inv_loss_scale", "record_found_inf_"])
+@pytest.mark.parametrize("accessor", ["inv_loss_scale", "record_found_inf"])
 def test_a_renamed_record_is_named_with_the_torch_version(accessor):
     _, optimizer, scaler = scaled_optimizer()
     state = scaler._per_optimizer_states[id(optimizer)]
     state["found_inf_per_device_v2"] = state.pop("found_inf_per_device")  # as a future torch might rename it
     with pytest.raises(TorchInternalsError, match=version_and("has no 'found_inf_per_device'")):
-        getattr(torch_internals, accessor)(scaler, optimizer)
+        getattr(torch_compat, accessor)(scaler, optimizer)
 
 
 def test_missing_state_and_scale_are_named_with_the_torch_version(monkeypatch):
@@ -89,14 +91,14 @@ def test_missing_state_and_scale_are_named_with_the_torch_version(monkeypatch):
     monkeypatch.undo()
     monkeypatch.delattr(scaler, "_per_optimizer_states")
     with pytest.raises(TorchInternalsError, match=version_and("GradScaler has no _per_optimizer_states")):
-        record_found_inf_(scaler, optimizer)
+        record_found_inf(scaler, optimizer)
 
 
 def test_a_missing_stage_enum_is_named_with_the_torch_version(monkeypatch):
     _, optimizer, scaler = scaled_optimizer()
     check_torch_internals()  # the first use's checks passed before torch lost the enum
     scaler._per_optimizer_states[id(optimizer)]  # created by torch (scaler.step) before any accessor reads it
-    monkeypatch.delattr(torch_internals.amp_grad_scaler, "OptState")
+    monkeypatch.delattr(scaler_internals.amp_grad_scaler, "OptState")
     with pytest.raises(TorchInternalsError, match=version_and(r"OptState.UNSCALED .* is missing")):
         inv_loss_scale(scaler, optimizer)
 
@@ -133,7 +135,7 @@ def test_a_changed_grad_scaler_fails_the_first_scaled_step_before_it_touches_a_g
         scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
         scaler.scale(model(torch.ones(1, 3)).sum()).backward()
         grads = [param.grad.clone() for param in model.parameters()]
-        monkeypatch.setattr(torch_internals, "_CHECKED", torch_internals._CHECKED - {"torch.amp.GradScaler"})
+        monkeypatch.setattr(checks, "_CHECKED", checks._CHECKED - {"torch.amp.GradScaler"})
         update_reading_another_record(monkeypatch)
         with pytest.raises(TorchInternalsError, match=IGNORED_RECORD), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch announces the end of the scaler hand-over
@@ -151,7 +153,7 @@ def test_a_missing_fused_op_fails_the_accumulators_before_they_touch_a_gradient(
     model(torch.ones(1, 3)).sum().backward()
     grads = [param.grad for param in model.parameters()]
     values = [grad.clone() for grad in grads]
-    monkeypatch.setattr(torch_internals, "_CHECKED", set())  # a process that has not used a fused op yet
+    monkeypatch.setattr(checks, "_CHECKED", set())  # a process that has not used a fused op yet
     monkeypatch.delattr(torch, "_foreach_add_")  # as a torch release that dropped it
     with pytest.raises(TorchInternalsError, match=version_and(r"torch\._foreach_add_ is missing\. hivemind_accum "
                                                               r"accumulates gradients with this fused op")):
@@ -161,13 +163,13 @@ def test_a_missing_fused_op_fails_the_accumulators_before_they_touch_a_gradient(
 
 
 def test_a_changed_hivemind_grad_scaler_call_is_named(monkeypatch):
-    monkeypatch.setattr(torch_internals, "_CHECKED", set())
+    monkeypatch.setattr(checks, "_CHECKED", set())
     monkeypatch.delattr(torch.amp.GradScaler, "_check_inf_per_device")
     with pytest.raises(TorchInternalsError, match=version_and(r"torch\.amp\.GradScaler\._check_inf_per_device is "
                                                               r"missing\. hivemind_accum loss-scales in place")):
         check_hivemind_grad_scaler_internals()
     monkeypatch.undo()
-    monkeypatch.setattr(torch_internals, "_CHECKED", set())
+    monkeypatch.setattr(checks, "_CHECKED", set())
     monkeypatch.setattr(torch.amp.GradScaler, "_found_inf_per_device", lambda self: {})
     with pytest.raises(TorchInternalsError, match=version_and(r"_found_inf_per_device\(self\) does not take "
                                                               r"\(optimizer\)")):
@@ -177,12 +179,12 @@ def test_a_changed_hivemind_grad_scaler_call_is_named(monkeypatch):
 def test_an_untested_release_runs_when_its_interfaces_hold(monkeypatch):
     """no refusal and no warning; a changed interface names the release and the tested ones"""
     monkeypatch.setattr(torch, "__version__", "2.15.0")
-    monkeypatch.setattr(torch_internals, "_CHECKED", set())
+    monkeypatch.setattr(checks, "_CHECKED", set())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_torch_internals()
-    assert torch_internals._CHECKED == {"fused ops", "unscale op", "torch.amp.GradScaler", "hivemind.GradScaler"}
-    monkeypatch.setattr(torch_internals, "_CHECKED", set())
+    assert checks._CHECKED == {"fused ops", "unscale op", "torch.amp.GradScaler", "hivemind.GradScaler"}
+    monkeypatch.setattr(checks, "_CHECKED", set())
     monkeypatch.delattr(torch, "_foreach_mul_")
     with pytest.raises(TorchInternalsError) as error:
         check_fused_ops()
@@ -194,8 +196,8 @@ def test_an_untested_release_runs_when_its_interfaces_hold(monkeypatch):
 
 def test_each_check_runs_once_per_process(monkeypatch):
     runs = []
-    monkeypatch.setattr(torch_internals, "_CHECKED", set())
-    monkeypatch.setattr(torch_internals, "_check_fused_ops", lambda: runs.append("fused ops"))
+    monkeypatch.setattr(checks, "_CHECKED", set())
+    monkeypatch.setattr(fused_ops, "_check_fused_ops", lambda: runs.append("fused ops"))
     for _ in range(3):
         foreach_zero_([torch.ones(2)])
     check_fused_ops()
@@ -214,7 +216,7 @@ def dense_and_sparse():
 
 @pytest.mark.parametrize("no_sparse_kernel", [False, True], ids=["this_torch", "fallback"])
 def test_foreach_add_with_sparse_tensors_adds_each_value(monkeypatch, no_sparse_kernel):
-    monkeypatch.setattr(torch_internals, "_NO_SPARSE_KERNEL", {"add"} if no_sparse_kernel else set())
+    monkeypatch.setattr(fused_ops, "_NO_SPARSE_KERNEL", {"add"} if no_sparse_kernel else set())
     targets, others = dense_and_sparse()
     expected = [t + 0.5 * o.to_dense() for t, o in zip(targets, others)]  # to_dense sums the two entries of row 2
     # each side rounds at most twice (row 2: two entries, in either order), each time by at most eps / 2 of |t| + |o|
@@ -224,7 +226,7 @@ def test_foreach_add_with_sparse_tensors_adds_each_value(monkeypatch, no_sparse_
         foreach_add_(targets, others, alpha=0.5)
     for target, value, atol in zip(targets, expected, atols):
         assert torch.allclose(target, value, rtol=0, atol=atol)
-    if no_sparse_kernel or torch_internals._NO_SPARSE_KERNEL:  # dense ones in one fused op, each sparse one alone
+    if no_sparse_kernel or fused_ops._NO_SPARSE_KERNEL:  # dense ones in one fused op, each sparse one alone
         assert dispatched.ops == ["aten._foreach_add_.List", "aten.add_.Tensor", "aten.add_.Tensor"]
     else:
         assert dispatched.ops == ["aten._foreach_add_.List"]
@@ -232,7 +234,7 @@ def test_foreach_add_with_sparse_tensors_adds_each_value(monkeypatch, no_sparse_
 
 @pytest.mark.parametrize("no_sparse_kernel", [False, True], ids=["this_torch", "fallback"])
 def test_foreach_zero_with_sparse_tensors_zeroes_each(monkeypatch, no_sparse_kernel):
-    monkeypatch.setattr(torch_internals, "_NO_SPARSE_KERNEL", {"zero"} if no_sparse_kernel else set())
+    monkeypatch.setattr(fused_ops, "_NO_SPARSE_KERNEL", {"zero"} if no_sparse_kernel else set())
     _, tensors = dense_and_sparse()
     foreach_zero_(tensors)
     for tensor in tensors:
@@ -240,7 +242,7 @@ def test_foreach_zero_with_sparse_tensors_zeroes_each(monkeypatch, no_sparse_ker
 
 
 def test_foreach_add_of_dense_tensors_is_one_fused_op_on_every_torch(monkeypatch):
-    monkeypatch.setattr(torch_internals, "_NO_SPARSE_KERNEL", {"add"})  # even where sparse ones fall back
+    monkeypatch.setattr(fused_ops, "_NO_SPARSE_KERNEL", {"add"})  # even where sparse ones fall back
     check_fused_ops()  # the first use's check (its examples run the ops too) before the counted call
     targets, sources = [torch.zeros(5) for _ in range(6)], [torch.full((5,), float(i)) for i in range(6)]
     with DispatchedOps() as dispatched:

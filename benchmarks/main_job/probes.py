@@ -11,7 +11,7 @@ from typing import Dict, List, Sequence
 import hivemind
 import torch
 
-from hivemind_accum.optim.torch_internals import foreach_add_, foreach_zero_
+from hivemind_accum.torch_compat import foreach_add_, foreach_zero_
 
 
 def wait_for_swarm(opt: hivemind.Optimizer, num_peers: int, timeout: float) -> None:

@@ -19,7 +19,7 @@ from typing import Dict, Hashable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
-from hivemind_accum.optim.grad_buckets import GradientBuckets
+from hivemind_accum.buffers.buckets import GradientBuckets
 
 Destination = Union[GradientBuckets, Sequence[torch.Tensor]]
 
@@ -51,7 +51,7 @@ class LocalFallback:
         self._kept: Dict[Hashable, List] = {}
         self._latest: Optional[Hashable] = None
         self._hosts: List[GradientBuckets] = []  # allocated at the first round released unsettled, reused
-        self._lent: List[GradientBuckets] = []  # host copies taken by take_host_copy_, not reused until given back
+        self._lent: List[GradientBuckets] = []  # host copies taken by take_host_copy, not reused until given back
         self._lock = threading.RLock()
         self._thread = threading.local()
         # CUDA accumulators are copied out into pinned host memory without blocking (see _copy_out_)
@@ -75,7 +75,7 @@ class LocalFallback:
 
         :param key: the round's key
         :param beginning: True while the round begins: :meth:`hand_off_` keeps it under ``key`` and :meth:`load_into_`
-          loads nothing; False: :meth:`load_into_` and :meth:`settle_` load or settle that round's gradients only
+          loads nothing; False: :meth:`load_into_` and :meth:`settle` load or settle that round's gradients only
         """
         outer = getattr(self._thread, "round", None)
         self._thread.round = key, beginning
@@ -118,7 +118,7 @@ class LocalFallback:
             if self._in_place:
                 self.release_()
 
-    def settle_(self) -> None:
+    def settle(self) -> None:
         """the round's result is used: its local gradients are no longer a fallback. The accumulators are left as they
         are until the next micro-step or reset releases them: with an optimizer that is not offloaded, ``.grad`` may
         be their view (in-place mode) and hold the averaged gradients the optimizer is about to step with"""
@@ -139,15 +139,15 @@ class LocalFallback:
                 return False
             host, scale = kept
             (self.accumulators if host is None else self._host_ready(host)).scaled_copy_to_(destination, scale)
-            self.settle_()
+            self.settle()
             return True
 
-    def take_host_copy_(self) -> Optional[GradientBuckets]:
+    def take_host_copy(self) -> Optional[GradientBuckets]:
         """
         The round's local gradients, as they were loaded for the round, if they were copied to host memory (a later
         micro-step needed the accumulators); the round is settled then.
 
-        :returns: the host copy, not reused until :meth:`give_back_`; None (taking nothing) if there is none
+        :returns: the host copy, not reused until :meth:`give_back`; None (taking nothing) if there is none
         """
         with self._lock:
             key = self._round()
@@ -158,8 +158,8 @@ class LocalFallback:
             self._lent.append(kept[0])
             return self._host_ready(kept[0])
 
-    def give_back_(self, host: GradientBuckets) -> None:
-        """a host copy from :meth:`take_host_copy_` is no longer read"""
+    def give_back(self, host: GradientBuckets) -> None:
+        """a host copy from :meth:`take_host_copy` is no longer read"""
         with self._lock:
             self._lent = [lent for lent in self._lent if lent is not host]
 
@@ -175,7 +175,7 @@ class LocalFallback:
             self.accumulators.zero_()
             self.holding = False
 
-    def use_accumulators_(self, accumulators: GradientBuckets) -> None:
+    def use_accumulators(self, accumulators: GradientBuckets) -> None:
         """the averager's accumulators were built anew (in place: the parameters changed dtype or device); host
         copies of the old layout are dropped"""
         with self._lock:

@@ -1,17 +1,17 @@
 """
 :class:`hivemind.optim.power_sgd_averager.PowerSGDGradientAverager` on top of
-:class:`hivemind_accum.optim.grad_averager.GradientAverager`'s flat on-device accumulation.
+:class:`hivemind_accum.integration.grad_averager.GradientAverager`'s flat on-device accumulation.
 
 Upstream's PowerSGD class calls ``super().__init__`` and the accumulation methods through ``self``; placing
-:class:`~hivemind_accum.optim.grad_averager.GradientAverager` after it in the method resolution order makes every
+:class:`~hivemind_accum.integration.grad_averager.GradientAverager` after it in the method resolution order makes every
 accumulation call land on the flat buckets while PowerSGD's compression and all-reduce phases run unchanged.
 """
 import torch
 from hivemind.optim import power_sgd_averager as upstream
 from hivemind.utils.asyncio import enter_asynchronously
 
-from hivemind_accum.optim.grad_averager import GradientAverager
-from hivemind_accum.optim.round_guard import all_finite
+from hivemind_accum.integration.grad_averager import GradientAverager
+from hivemind_accum.rounds.finite import all_finite
 
 
 class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverager):
@@ -20,7 +20,7 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
     accumulation. Accepts exactly upstream's arguments (``parameters, averager_rank, *, dht, prefix,
     reuse_grad_buffers, accumulate_grads_on, client_mode, warn, min_compression_ratio, averaged_grads, **kwargs``);
     see :class:`hivemind.optim.power_sgd_averager.PowerSGDGradientAverager` for PowerSGD's parameters and
-    :class:`hivemind_accum.optim.grad_averager.GradientAverager` for the two accumulation modes.
+    :class:`hivemind_accum.integration.grad_averager.GradientAverager` for the two accumulation modes.
 
     A failed round does not fall back to the round's local gradients (``keep_local_fallback = False``): PowerSGD adds
     them into its error-feedback buffers when the all-reduce starts, so applying them now would count them twice.
@@ -46,7 +46,7 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
         if kwargs.get("weight") != 0:
             return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         async with enter_asynchronously(self.get_tensors()):
-            self.round_guard.snapshot_(self._ms)
+            self.round_guard.snapshot(self._ms)
         try:
             return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         finally:

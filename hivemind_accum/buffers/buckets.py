@@ -3,30 +3,23 @@ Flat gradient buckets: one contiguous buffer per (device, dtype) group of tensor
 
 This module knows nothing about averaging. It gives :class:`GradientBuckets`, a set of persistent flat
 buffers whose per-tensor views keep each tensor's shape and strides (channels_last included), plus the
-fused operations gradient accumulation needs: add a list of gradients, zero, copy with a scale. Adding can also
-unscale the gradients and drop them if not finite, for loss scaling. Low-precision (fp16, bf16) tensors may get
-float32 buffers.
+fused operations gradient accumulation needs: add a list of gradients, zero, copy with a scale (into the averager's
+shared buffers, summing each chunk as it is written). Adding can also unscale the gradients and drop them if not
+finite, for loss scaling (its two paths, host and device: :mod:`hivemind_accum.buffers.finite_add`). Low-precision
+(fp16, bf16) tensors may get float32 buffers.
 The layout follows PyTorch DDP's ``gradient_as_bucket_view=True`` (gradients as views of a communication
 bucket) and its ``batched_grad_copy`` (one ``_foreach`` op per bucket instead of a per-parameter loop).
 """
-import math
 import operator
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from hivemind_accum.optim.torch_internals import (
-    add_unless_found_inf_,
-    check_fused_ops,
-    foreach_add_,
-    foreach_copy_,
-    foreach_mul_,
-    foreach_zero_,
-    has_add_unless_found_inf,
-    non_finite_check_and_unscale_,
-)
+from hivemind_accum.arguments import check_distinct
+from hivemind_accum.buffers import finite_add
+from hivemind_accum.torch_compat import check_fused_ops, foreach_add_, foreach_copy_, foreach_mul_, foreach_zero_
 
 
 @dataclass
@@ -90,23 +83,6 @@ def _dense_strides(tensor: torch.Tensor) -> Tuple[int, ...]:
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def check_distinct(named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
-    """
-    :param named_tensors: (position, tensor) pairs, e.g. ``("parameters[3]", param)``
-    :raises ValueError: naming both positions if the same tensor object appears twice (in place, both would get the
-      same ``.grad`` and its gradient would be accumulated twice)
-    """
-    first_seen: Dict[int, str] = {}
-    for name, tensor in named_tensors:
-        if id(tensor) in first_seen:
-            raise ValueError(f"{first_seen[id(tensor)]} and {name} are the same tensor: pass each parameter once")
-        first_seen[id(tensor)] = name
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """move a flag or scale across devices: without blocking towards an accelerator (stream-ordered), blocking
-    towards the CPU, whose kernels would otherwise read the destination before the copy lands"""
-    return tensor.to(device, non_blocking=torch.device(device).type != "cpu")
 
 
 def _make_bucket(
@@ -258,9 +234,9 @@ class GradientBuckets:
         """
         if inv_scale.dtype != torch.float32:  # the unscale kernel takes float32 only; a cast on the device, no sync
             inv_scale = inv_scale.float()
-        if _host_check_is_free(self):
-            return _add_finite_with_host_check(self, sources, inv_scale, alpha)
-        return _add_finite_on_device(self, sources, inv_scale, alpha)
+        if finite_add.host_check_is_free(self):
+            return finite_add.add_finite_with_host_check(self, sources, inv_scale, alpha)
+        return finite_add.add_finite_on_device(self, sources, inv_scale, alpha)
 
     @torch.no_grad()
     def zero_(self) -> None:
@@ -302,7 +278,7 @@ class GradientBuckets:
         :param destination: buckets built from the same tensors (same grouping and layout)
         :param scale: multiplier, as in :meth:`scaled_copy_to_`
         :returns: a 1-D float32 tensor on the CPU holding the sum of every chunk written (inf or NaN if that chunk
-          holds any: see :func:`hivemind_accum.optim.round_guard.all_finite`)
+          holds any: see :func:`hivemind_accum.rounds.finite.all_finite`)
         :raises ValueError: if ``destination`` is not :class:`GradientBuckets`
         """
         if not isinstance(destination, GradientBuckets):
@@ -341,95 +317,3 @@ def _mul_fits(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """whether ``torch.mul(src, scale, out=dst)`` writes the scaled copy directly: same device, and ``src``'s dtype at
     least as wide as ``dst``'s (float32 into bf16 is rounded once; bf16 into float32 would be scaled in bf16)"""
     return src.device == dst.device and src.dtype.itemsize >= dst.dtype.itemsize
-
-
-def _host_check_is_free(buckets: GradientBuckets) -> bool:
-    """True if every buffer and every source of ``buckets`` lives on the CPU: reading a flag there stalls nothing"""
-    return all(bucket.flat.device.type == bucket.source_device.type == "cpu" for bucket in buckets.buckets)
-
-
-def _add_finite_with_host_check(
-    buckets: GradientBuckets, sources: Sequence[Optional[torch.Tensor]], inv_scale: torch.Tensor, alpha: float
-) -> torch.Tensor:
-    """:meth:`GradientBuckets.add_finite_` for CPU data: one read-only pass (a sum per source: inf or NaN anywhere
-    makes it non-finite), one host read, then (if finite) one :meth:`GradientBuckets.add_` with the unscale folded into
-    ``alpha``. On a CPU a read-only pass costs what a read-write unscale does, so this path costs one pass where the
-    device path takes four. Finite gradients whose sum exceeds float32's range (3.4e38) count as overflowed too"""
-    inv_scale = inv_scale.to("cpu", torch.float32)
-    sums = [(grad.coalesce().values() if grad.is_sparse else grad).sum(dtype=torch.float32)
-            for grad in sources if grad is not None]
-    if sums:  # the decision and the unscale factor in one host read: the factor, or NaN if any source is not finite
-        inv_scale = torch.where(torch.stack(sums).isfinite().all(), inv_scale, float("nan"))
-    factor = inv_scale.item()
-    finite = math.isfinite(factor)  # an infinite 1 / loss scale drops the micro-step too, as on the device path
-    if finite:
-        buckets.add_(sources, alpha=alpha * factor)
-    return torch.tensor(0.0 if finite else 1.0, device=buckets.buckets[0].flat.device)
-
-
-def _add_finite_on_device(
-    buckets: GradientBuckets, sources: Sequence[Optional[torch.Tensor]], inv_scale: torch.Tensor, alpha: float
-) -> torch.Tensor:
-    """:meth:`GradientBuckets.add_finite_` without a host synchronization: check and unscale on the device, then add
-    unless an overflow was found. A bucket whose sources match its buffer (device, dtype, strides) takes two passes:
-    the sources are unscaled in place, then added by a fused kernel that skips the add on the device's flag. Any
-    other bucket stages its sources in a persistent buffer first (copy, unscale, mask, add). From the second call on
-    it allocates nothing"""
-    for bucket in buckets.buckets:
-        if bucket.found_inf is None:
-            bucket.found_inf = torch.zeros((), dtype=torch.float32, device=bucket.flat.device)
-        bucket.found_inf.zero_()
-    found_inf = buckets.buckets[0].found_inf
-    unscaled = []
-    for bucket in buckets.buckets:
-        grads = [sources[i] for i in bucket.indices]
-        direct = _present_if_unscalable_in_place(bucket, grads)
-        if direct is not None:  # the sources themselves, unscaled in place as torch.amp.GradScaler.unscale_ does
-            targets, grads = direct
-            if not grads:  # no gradient in this bucket: nothing to add
-                continue
-        else:  # kept: nothing allocated per micro-step
-            targets, grads = None, [bucket.stage_(grads)]
-        non_finite_check_and_unscale_(grads, bucket.found_inf, _to_device(inv_scale, bucket.flat.device))
-        if bucket.found_inf is not found_inf:
-            found_inf.add_(_to_device(bucket.found_inf, found_inf.device))
-        unscaled.append((bucket, targets, grads))
-    if len(buckets.buckets) > 1:
-        found_inf.clamp_(max=1.0)
-    for bucket, targets, grads in unscaled:  # a micro-step counts only if all of it is finite
-        bucket_inf = _to_device(found_inf, bucket.flat.device)
-        if targets is not None:
-            add_unless_found_inf_(targets, grads, bucket_inf, alpha=alpha)
-            continue
-        if bucket.drop_mask is None:
-            bucket.drop_mask = torch.zeros((), dtype=torch.bool, device=bucket.flat.device)
-        torch.logical_or(bucket_inf, bucket_inf, out=bucket.drop_mask)  # found_inf != 0, allocating nothing
-        bucket.flat.add_(grads[0].masked_fill_(bucket.drop_mask, 0), alpha=alpha)
-    return found_inf
-
-
-def _present_if_unscalable_in_place(
-    bucket: GradientBucket, grads: Sequence[Optional[torch.Tensor]]
-) -> Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]]:
-    """the bucket's views and the gradients present, if those gradients can be unscaled in place and added by
-    :func:`add_unless_found_inf_`: buffer and gradients share device and dtype, the fused kernel runs there, and each
-    gradient has its view's strides (the kernel pairs elements by memory order); else None"""
-    if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
-        return None
-    if not has_add_unless_found_inf(bucket.flat.device, bucket.flat.dtype):
-        return None
-    if bucket.strides is None:
-        bucket.strides = [view.stride() for view in bucket.views]
-    views = bucket.views
-    if any(map(operator.is_, grads, repeat(None))):
-        present = [k for k, grad in enumerate(grads) if grad is not None]
-        views, grads = [views[k] for k in present], [grads[k] for k in present]
-        strides = [bucket.strides[k] for k in present]
-    else:
-        strides = bucket.strides
-    try:
-        if list(map(torch.Tensor.stride, grads)) != strides:
-            return None
-    except RuntimeError:  # a sparse gradient has no strides
-        return None
-    return views, list(grads)

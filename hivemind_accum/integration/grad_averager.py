@@ -2,41 +2,44 @@
 A drop-in replacement for :class:`hivemind.optim.grad_averager.GradientAverager` whose no-sync step costs a
 constant number of fused operations (exact mode) or no tensor work at all (in-place mode).
 
-How a gradient travels, in three files:
+This module wires the package's parts into hivemind's class: the buffers (:mod:`hivemind_accum.buffers`), the
+failed-round fallback and the finite check (:mod:`hivemind_accum.rounds`). Its round methods are
+:mod:`~hivemind_accum.integration.round_keeping`'s, its matchmaking hooks
+:mod:`~hivemind_accum.integration.schema_mismatch`'s. How a gradient travels, in three files
+(docs/guide.md#a-gradients-path):
 
 1. ``loss.backward()`` writes ``param.grad`` (autograd).
 2. :meth:`GradientAverager.accumulate_grads_` (this file) adds it into a flat on-device accumulator
-   (:mod:`hivemind_accum.optim.grad_buckets`), or, in in-place mode, autograd already did so because ``param.grad``
-   *is* a view of that accumulator.
+   (:mod:`hivemind_accum.buffers.buckets`; loss-scaled: :mod:`hivemind_accum.buffers.finite_add`), or, in in-place
+   mode, autograd already did so because ``param.grad`` *is* an alias of that accumulator.
 3. :meth:`GradientAverager.load_accumulators_into_averager_` (this file) moves each accumulator, scaled by
-   ``1 / micro_steps``, into the averager's shared CPU buffers in one bulk op per bucket; upstream's
+   ``1 / micro_steps``, into the averager's shared CPU buffers in one bulk op per bucket
+   (:meth:`~hivemind_accum.buffers.buckets.GradientBuckets.scaled_copy_with_checksums_`); upstream's
    :class:`hivemind.averaging.DecentralizedAverager` all-reduces those buffers with peers.
 """
-import inspect
-import numbers
 import operator
 import warnings
-from typing import AsyncIterator, ContextManager, Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.control import StepControl
 from hivemind.dht import DHT
 from hivemind.optim import grad_averager as upstream
-from hivemind.p2p import P2PContext
-from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 
-from hivemind_accum.optim.grad_buckets import LOW_PRECISION, GradientBuckets
-from hivemind_accum.optim.grad_views import GradViews
-from hivemind_accum.optim.local_fallback import LocalFallback
-from hivemind_accum.optim.round_guard import RoundGuard
-from hivemind_accum.optim.schema_mismatch import SchemaMismatchWarning
+from hivemind_accum.arguments import check_averaged_grads, check_micro_step
+from hivemind_accum.buffers.buckets import LOW_PRECISION, GradientBuckets
+from hivemind_accum.buffers.finite_add import DroppedMicroSteps
+from hivemind_accum.buffers.views import GradViews
+from hivemind_accum.integration.round_keeping import KeepsRoundsForFallback
+from hivemind_accum.integration.schema_mismatch import ReportsSchemaMismatch, SchemaMismatchLogger
+from hivemind_accum.rounds.fallback import LocalFallback
+from hivemind_accum.rounds.finite import RoundGuard
 
 logger = get_logger(__name__)
 
 
-class GradientAverager(upstream.GradientAverager):
+class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.GradientAverager):
     """
     Accumulates gradients in persistent flat on-device buffers and aggregates them with peers.
 
@@ -78,8 +81,6 @@ class GradientAverager(upstream.GradientAverager):
       tensor listed twice) or a wrong ``averaged_grads``
     """
 
-    keep_local_fallback: bool = True  # see step(); subclasses whose all-reduce keeps state of its own may opt out
-
     def __init__(
         self,
         parameters: Iterable[torch.nn.Parameter],
@@ -113,23 +114,18 @@ class GradientAverager(upstream.GradientAverager):
 
         averaged_grads = tuple(averaged_grads or ())
         if averaged_grads:
-            _check_averaged_grads(self.parameters, averaged_grads)
+            check_averaged_grads(self.parameters, averaged_grads)
         self.averaged_grads_dtype = averaged_grads_dtype
         self._accumulators = GradientBuckets(
             self.parameters, device=accumulate_grads_on, upcast=accumulate_in_fp32 and not reuse_grad_buffers
         )
-        # micro-steps dropped for inf/NaN gradients (accumulate_grads_ with inv_grad_scale), counted on the device
-        # without a host sync and subtracted from the host counters when the accumulators are loaded
-        # and the batch size of the first micro-step kept (micro-step i weighs b_i / b_first: if the first
-        # micro-step is dropped, the accumulators are rescaled once at load time, by _anchor_correction)
-        self._drop_counters = torch.zeros(3, device=self._accumulators.buckets[0].flat.device)
-        self._dropped_samples, self._dropped_micro_steps, self._first_kept_batch_size = self._drop_counters
-        self._first_unset = torch.zeros_like(self._first_kept_batch_size)  # scratch: whether no micro-step was kept
-        self._may_have_dropped = False
+        # micro-steps dropped for inf/NaN gradients (accumulate_grads_ with inv_grad_scale), subtracted from the host
+        # counters when the accumulators are loaded; a dropped first micro-step rescales them, by _anchor_correction
+        self._dropped = DroppedMicroSteps(self._accumulators.buckets[0].flat.device)
         self._anchor_correction = 1.0
         self._grad_views = None
         if reuse_grad_buffers:
-            self._grad_views = GradViews(self._accumulators, self.parameters, on_rebuild=self._use_accumulators_)
+            self._grad_views = GradViews(self._accumulators, self.parameters, on_rebuild=self._use_accumulators)
             self._grad_views.attach_(micro_step=False)  # a .grad the model already holds is added in
         self._local_accumulators = self._accumulator_views()  # the name hivemind's other classes read
 
@@ -140,7 +136,7 @@ class GradientAverager(upstream.GradientAverager):
                 self.parameters, device="cpu", share_memory=True, upcast=averaged_grads_dtype == torch.float32
             )
             averaged_grads = self._averaged_buckets.views
-        self._schema_mismatch = SchemaMismatchWarning(
+        self._schema_mismatch = SchemaMismatchLogger(  # read by ReportsSchemaMismatch's hooks
             self.parameters, averaged_grads, averaged_grads_dtype, custom=self._averaged_buckets is None
         )
         # the latest round's local gradients, kept (in the accumulators, or on the host if micro-steps of the next
@@ -167,21 +163,6 @@ class GradientAverager(upstream.GradientAverager):
             upcast = self.averaged_grads_dtype is not None and param.dtype in LOW_PRECISION
             yield torch.empty_like(param, device="meta", dtype=self.averaged_grads_dtype if upcast else None)
 
-    def _run_internal(self):
-        """the averager's background process: also watch matchmaking for peers of another schema"""
-        self._schema_mismatch.watch_follower_side_()
-        super()._run_internal()
-
-    async def rpc_join_group(
-        self, request: averaging_pb2.JoinRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """the reply to a group request; one refused for its schema hash is reported once
-        (:class:`SchemaMismatchWarning`)"""
-        async for response in super().rpc_join_group(request, context):
-            if response.code == averaging_pb2.BAD_SCHEMA_HASH:
-                self._schema_mismatch.report_(context.remote_id, request.schema_hash)
-            yield response
-
     @torch.no_grad()
     def _grad_accumulators(self) -> Iterator[torch.Tensor]:
         """per-parameter views of the accumulators (in in-place mode, the same tensors as ``param.grad``)"""
@@ -192,14 +173,14 @@ class GradientAverager(upstream.GradientAverager):
 
     def _attach_grads_(self) -> None:
         """in-place mode: add every ``.grad`` that is not its accumulator view into the view, then re-attach the view
-        (see :class:`~hivemind_accum.optim.grad_views.GradViews`)"""
+        (see :class:`~hivemind_accum.buffers.views.GradViews`)"""
         self._grad_views.attach_()
 
-    def _use_accumulators_(self, accumulators: GradientBuckets) -> None:
+    def _use_accumulators(self, accumulators: GradientBuckets) -> None:
         """in-place mode: the accumulators were built anew (the parameters changed dtype or device)"""
         self._accumulators = accumulators
         self._local_accumulators = self._accumulator_views()
-        self.local_fallback.use_accumulators_(accumulators)
+        self.local_fallback.use_accumulators(accumulators)
 
     @torch.no_grad()
     def accumulate_grads_(
@@ -227,17 +208,7 @@ class GradientAverager(upstream.GradientAverager):
           mode (there autograd has already added the gradients to the accumulators); in in-place mode also if a
           ``.grad`` was replaced by a tensor computed from the running sum (the message names the parameter)
         """
-        if not is_positive_int(batch_size):
-            raise ValueError(
-                f"batch_size: expected a positive int (samples in this micro-batch), got {batch_size!r}; "
-                f"hivemind.Optimizer passes step(batch_size=...) or else its batch_size_per_step"
-            )
-        if inv_grad_scale is not None and self.reuse_grad_buffers:
-            raise ValueError(
-                "inv_grad_scale: with reuse_grad_buffers=True gradients are already in the accumulators and cannot be "
-                "unscaled or dropped per micro-step; unscale the accumulated gradients once per round "
-                "(hivemind.GradScaler does) or use reuse_grad_buffers=False"
-            )
+        check_micro_step(batch_size, inv_grad_scale, self.reuse_grad_buffers)
         if self._accumulators_used_in_step and self.warn:  # once per round
             logger.warning(
                 "[warn=True] Gradient accumulators were not reset since the last averaging round. Please "
@@ -266,78 +237,20 @@ class GradientAverager(upstream.GradientAverager):
             self._accumulators.add_(grads, alpha=alpha)
             return None
         found_inf = self._accumulators.add_finite_(grads, inv_grad_scale, alpha=alpha)
-        self._dropped_samples.add_(found_inf, alpha=batch_size)
-        self._dropped_micro_steps.add_(found_inf)
-        unset = torch.logical_not(self._first_kept_batch_size, out=self._first_unset)  # in place: allocates nothing
-        self._first_kept_batch_size.add_(unset, alpha=batch_size).addcmul_(unset, found_inf, value=-batch_size)
-        self._may_have_dropped = True
+        self._dropped.count_(found_inf, batch_size)
         return found_inf
 
     def _settle_dropped_micro_steps(self) -> None:
         """subtract micro-steps dropped for inf/NaN gradients from the host counters: one host sync per round"""
-        if not self._may_have_dropped:
+        if not self._dropped.may_have_dropped:
             return
-        dropped_samples, dropped_micro_steps, first_kept_batch_size = map(round, self._drop_counters.tolist())
+        dropped_samples, dropped_micro_steps, first_kept_batch_size = self._dropped.collect_()
         if dropped_micro_steps:
             logger.info(f"Dropped {dropped_micro_steps} micro-step(s), {dropped_samples} samples, with inf/NaN grads")
         self.local_samples_accumulated -= dropped_samples
         self.local_times_accumulated -= dropped_micro_steps
         if first_kept_batch_size:  # kept (not zeroed) so that later micro-steps do not overwrite it
             self._anchor_correction = self._anchor_batch_size / first_kept_batch_size
-        self._drop_counters[:2].zero_()
-        self._may_have_dropped = False
-
-    def step(
-        self,
-        weight: Optional[float] = None,
-        reset_accumulators: bool = True,
-        control: Optional[StepControl] = None,
-        timeout: Optional[float] = None,
-        wait: bool = True,
-        **kwargs,
-    ):
-        """
-        Average accumulated gradients with peers, as upstream's ``GradientAverager.step`` (same parameters), with one
-        difference: this round's local gradients are kept until the round is settled. If the round fails (the
-        all-reduce raises or times out), the next ``load_accumulators_into_averager_`` (which ``hivemind.Optimizer``
-        calls to "proceed with local gradients") loads them again, so the epoch's local work is not lost. They stay in
-        the accumulators (in place: in ``.grad``) until the round is settled (its result used or the fallback loaded);
-        a micro-step or ``reset_accumulated_grads_`` that comes earlier copies them to host memory first. Given a
-        ``control``, they are kept under it (``local_fallback.for_round(control)`` names the round), also while later
-        rounds begin: at most two rounds are kept, a third drops the oldest.
-
-        If this peer's gradients hold inf or NaN, they are replaced by zeros and, with ``weight=None`` (the default, as
-        ``hivemind.Optimizer`` calls it), the round's weight is 0: see ``load_accumulators_into_averager_``. An
-        explicit ``weight`` is used as given.
-        """
-        with self._beginning_round(control):
-            return super().step(
-                weight=weight, reset_accumulators=reset_accumulators, control=control, timeout=timeout, wait=wait,
-                **kwargs,
-            )
-
-    def _beginning_round(self, control: Optional[StepControl]) -> ContextManager:
-        """a context in which the round ``control`` begins: its local gradients are kept under ``control``; raises a
-        clear ``RuntimeError`` if the averager is not running"""
-        self._check_running("step")
-        return self.local_fallback.for_round(control, beginning=True)
-
-    def schedule_step(self, scheduled_time: Optional[float] = None, **kwargs) -> StepControl:
-        """as upstream's ``schedule_step``; raises a clear ``RuntimeError`` if the averager is not running"""
-        self._check_running("schedule_step")
-        if _CANCEL_SIGNALS_FIRST:
-            control = super().schedule_step(scheduled_time, **kwargs)
-            control.__class__ = _StateFirstStepControl  # a subclass: no reference cycle, freed as hivemind's is
-            return control
-        return super().schedule_step(scheduled_time, **kwargs)
-
-    def _check_running(self, method: str) -> None:
-        if not self.is_alive():
-            raise RuntimeError(
-                f"{type(self).__name__}.{method}: the averager is not running (it was shut down, or built with "
-                f"start=False and never started); call run_in_background() first or build a new averager. Local "
-                f"accumulation (accumulate_grads_, load_accumulators_into_averager_) works without it"
-            )
 
     @torch.no_grad()
     def reset_accumulated_grads_(self):
@@ -348,11 +261,10 @@ class GradientAverager(upstream.GradientAverager):
         self.local_samples_accumulated = self.local_times_accumulated = 0
         self._anchor_batch_size = None
         self._warned_unequal_batches = False
-        self._drop_counters.zero_()
-        self._may_have_dropped = False
+        self._dropped.reset_()
         self._anchor_correction = 1.0
         if self.reuse_grad_buffers:
-            self._grad_views.reattach_()
+            self._grad_views.reattach()
         if handing_off:
             self.local_fallback.hand_off_(self._loaded_scale, finite=self.round_guard.own_finite)
         else:
@@ -399,21 +311,12 @@ class GradientAverager(upstream.GradientAverager):
             if not self.round_guard.offer_(guarded, checksums, round_key=self.local_fallback.named_round):
                 self.local_samples_accumulated = 0  # step() then joins the round with weight 0 (and zeros)
 
-    def notify_used_averaged_gradients(self):
-        """Notify averager that the results of a previous averaging round are accounted for"""
-        self.local_fallback.settle_()
-        super().notify_used_averaged_gradients()
-
     def flat_averaged_grads(self, averaged_grads: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """the averager's buffers (as given by ``get_tensors()``) as few tensors as possible, for one-pass checks: the
         flat shared buckets when this averager made them, else ``averaged_grads`` itself"""
         if self._averaged_buckets is None:
             return averaged_grads
         return [bucket.flat for bucket in self._averaged_buckets.buckets]
-
-    def discard_nonfinite_round_(self) -> None:
-        """called when a round's averaged gradients hold inf or NaN and are not used: nothing to do here, as this
-        averager keeps no state across rounds (see :class:`PowerSGDGradientAverager`, which does)"""
 
     def _averaged_target(self, averaged_grads: Sequence[torch.Tensor]):
         """the averager's buffers as a copy destination: flat buckets when this averager made them and they pair with
@@ -423,51 +326,4 @@ class GradientAverager(upstream.GradientAverager):
         return averaged_grads
 
 
-def _cancel_signals_first() -> bool:
-    """whether hivemind's StepControl.cancel signals the averager's process before it marks the round cancelled (as
-    1.1.12's does); True where its source cannot be read (an install without .py files): the subclass is then used,
-    and is correct either way"""
-    try:
-        return inspect.getsource(StepControl.cancel).rstrip().endswith("return super().cancel()")
-    except (OSError, TypeError):
-        return True
-
-
-_CANCEL_SIGNALS_FIRST = _cancel_signals_first()
-
-
-class _StateFirstStepControl(StepControl):
-    """``StepControl`` whose ``cancel()`` marks the round cancelled before it signals the averager's process:
-    hivemind's signals first, so that process may read ``cancelled()`` as False, take the cancelled trigger for a
-    trigger and run the all-reduce of a round this peer abandoned"""
-
-    def cancel(self) -> bool:
-        cancelled = super(StepControl, self).cancel()
-        if self._trigger is not None:
-            self._trigger.cancel()
-        if self._cancel is not None:
-            self._cancel.set_result(None)
-        return cancelled
-
-
 _GRAD = operator.attrgetter("grad")
-
-
-def is_positive_int(value) -> bool:
-    """whether ``value`` is an int (of any integral type, but not a bool) greater than zero"""
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value > 0
-
-
-def _check_averaged_grads(parameters: Sequence[torch.Tensor], averaged_grads: Sequence[torch.Tensor]) -> None:
-    if len(averaged_grads) != len(parameters):
-        raise ValueError(
-            f"averaged_grads: expected one tensor per parameter ({len(parameters)}), got {len(averaged_grads)}"
-        )
-    for i, (param, grad) in enumerate(zip(parameters, averaged_grads)):
-        if not isinstance(grad, torch.Tensor) or grad.shape != param.shape:
-            got = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
-            raise ValueError(
-                f"averaged_grads[{i}]: expected shape {tuple(param.shape)} (as parameters[{i}]), got {got}"
-            )
-        if grad.device.type != "cpu":
-            raise ValueError(f"averaged_grads[{i}]: must be on CPU to be shared with the averager, got {grad.device}")

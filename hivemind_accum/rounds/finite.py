@@ -10,35 +10,28 @@ This module knows nothing about hivemind's classes. It gives one check and one s
   written;
 - :class:`RoundGuard`: what one averager does around a round: before it, :meth:`RoundGuard.offer_` checks this peer's
   own values and replaces non-finite ones by zeros, to be sent with weight 0; after it, :meth:`RoundGuard.accept_`
-  checks the result and, if it is not finite, restores this peer's own values from a snapshot kept for that purpose;
-- :class:`SkipUnusableSteps`: step hooks that make a torch optimizer's step a no-op while a round is not usable;
-- :class:`StepDecisions`: each round's decision for its step, carried from the thread that loads the round to the
-  job that steps, so that a late step reads its own round's decision and no other.
+  checks the result and, if it is not finite, restores this peer's own values from a snapshot kept for that purpose.
 
 Who calls what:
 
 - :class:`hivemind_accum.GradientAverager` calls ``offer_`` on the shared buffers it has just loaded, once per round;
   :class:`hivemind_accum.Optimizer` checks the round's averaged gradients with :func:`all_finite` before stepping and,
   if they are not finite, uses the round's own gradients (the averager's failed-round fallback) or skips its step
-  (``SkipUnusableSteps`` on the state averager's torch optimizer), deciding from
-  ``RoundGuard.own_finite_in(round)``: a round's own record, also when a later round has begun since. The decision
-  travels to the round's step in ``StepDecisions``.
-- :class:`hivemind_accum.optim.state_averager.TrainingStateAverager` calls ``offer_``, ``snapshot_`` and ``accept_``
-  around each parameter averaging all-reduce, in the averager's background process.
+  (:mod:`hivemind_accum.rounds.step_gate`), deciding from ``RoundGuard.own_finite_in(round)``: a round's own record,
+  also when a later round has begun since.
+- :class:`hivemind_accum.integration.state_averager.TrainingStateAverager` calls ``offer_``, ``snapshot`` and
+  ``accept_`` around each parameter averaging all-reduce, in the averager's background process.
 """
-import threading
 import weakref
-from concurrent.futures import Executor, Future
-from typing import Callable, Hashable, List, Optional, Sequence, Tuple
+from typing import Hashable, List, Optional, Sequence
 
 import torch
 from hivemind.utils import get_logger
 
-from hivemind_accum.optim.torch_internals import foreach_copy_, foreach_zero_
+from hivemind_accum.buffers.buckets import LOW_PRECISION
+from hivemind_accum.torch_compat import foreach_copy_, foreach_zero_
 
 logger = get_logger(__name__)
-
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 @torch.no_grad()
@@ -54,7 +47,7 @@ def all_finite(tensors: Sequence[torch.Tensor], checksums: Optional[torch.Tensor
 
     :param tensors: tensors of any shape, dtype and device (flat buffers give one reduction each)
     :param checksums: sums already taken over all of ``tensors`` (in any partition, e.g. by
-      :meth:`hivemind_accum.optim.grad_buckets.GradientBuckets.scaled_copy_with_checksums_` as it wrote them): then
+      :meth:`hivemind_accum.buffers.buckets.GradientBuckets.scaled_copy_with_checksums_` as it wrote them): then
       the tensors are read again only if one of these sums is not finite (each then checked element by element)
     :returns: False if any element is inf or NaN
     """
@@ -116,7 +109,7 @@ class RoundGuard:
         return self._own_finite_by_round.get(round_key, self.own_finite)
 
     @torch.no_grad()
-    def snapshot_(self, tensors: Sequence[torch.Tensor]) -> None:
+    def snapshot(self, tensors: Sequence[torch.Tensor]) -> None:
         """keep a copy of ``tensors`` (this peer's own values) for :meth:`accept_` or :meth:`restore_`: one fused copy
         into buffers allocated at the first call and reused (``tensors`` must keep their shapes from call to call)"""
         if self._snapshot is None:
@@ -127,7 +120,7 @@ class RoundGuard:
     def accept_(self, tensors: Sequence[torch.Tensor]) -> bool:
         """
         After a round: if its result in ``tensors`` holds inf or NaN, restore this peer's own values from the last
-        :meth:`snapshot_` and log a warning.
+        :meth:`snapshot` and log a warning.
 
         :param tensors: the averager's buffers, holding the round's result
         :returns: True if the result was finite and kept
@@ -140,81 +133,5 @@ class RoundGuard:
 
     @torch.no_grad()
     def restore_(self, tensors: Sequence[torch.Tensor]) -> None:
-        """copy the last :meth:`snapshot_` back into ``tensors``: one fused copy"""
+        """copy the last :meth:`snapshot` back into ``tensors``: one fused copy"""
         foreach_copy_(list(tensors), self._snapshot)
-
-
-class SkipUnusableSteps:
-    """
-    Step hooks on a torch optimizer (``register_step_pre_hook`` / ``register_step_post_hook``) that turn a step into a
-    no-op while ``usable()`` is False: for the step's duration every parameter's ``.grad`` is None, which torch
-    optimizers skip (no update, no momentum, no weight decay); the post-hook puts the same ``.grad`` tensors back, so
-    buffers bound as ``.grad`` (hivemind's offloaded optimizer) stay bound. The hooks run in whichever thread steps.
-
-    :param optimizer: a torch optimizer whose parameters skip a step by having no ``.grad``
-    :param usable: called at each step (pre-hook): False to skip it
-    :param on_skip: called when a step is skipped, before it runs
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, usable: Callable[[], bool], on_skip: Callable[[], None]):
-        self.usable, self.on_skip = usable, on_skip
-        self._taken: List[Tuple[torch.Tensor, Optional[torch.Tensor]]] = []
-        optimizer.register_step_pre_hook(self._pre_step)
-        optimizer.register_step_post_hook(self._post_step)
-
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        if self.usable():
-            return
-        self.on_skip()
-        self._taken = [(param, param.grad) for group in optimizer.param_groups for param in group["params"]]
-        for param, _ in self._taken:
-            param.grad = None
-
-    def _post_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        for param, grad in self._taken:
-            param.grad = grad
-        self._taken = []
-
-
-class StepDecisions:
-    """
-    Whether each round's optimizer step may use the round's gradients, handed from where the round is loaded to the
-    step that uses it. A decision belongs to the thread that made it. A job submitted through :meth:`carried_by`'s
-    executor takes the submitting thread's decision along into the thread that runs it; a decision made inside the
-    job (a delayed round's load) replaces it. The step reads its own thread's decision. So a late step reads its own
-    round's decision, never one made for a later round, and a decision that no step read ends with its job.
-    """
-
-    def __init__(self):
-        self._thread = threading.local()
-
-    def decide(self, usable: bool) -> None:
-        """record, in this thread, whether the step of the round just loaded may use its gradients"""
-        self._thread.usable = usable
-
-    def take(self) -> Optional[bool]:
-        """this thread's decision, which is cleared; None if there is none"""
-        usable, self._thread.usable = getattr(self._thread, "usable", None), None
-        return usable
-
-    def carried_by(self, executor: Executor) -> Executor:
-        """``executor``, whose ``submit`` hands the submitting thread's decision to the job"""
-        return _CarryingExecutor(executor, self)
-
-    def _run_with(self, usable: Optional[bool], fn: Callable, args, kwargs):
-        self._thread.usable = usable
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self._thread.usable = None
-
-
-class _CarryingExecutor(Executor):
-    def __init__(self, executor: Executor, decisions: StepDecisions):
-        self._executor, self._decisions = executor, decisions
-
-    def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
-        return self._executor.submit(self._decisions._run_with, self._decisions.take(), fn, args, kwargs)
-
-    def shutdown(self, wait: bool = True, **kwargs) -> None:
-        self._executor.shutdown(wait, **kwargs)

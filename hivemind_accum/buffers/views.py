@@ -31,7 +31,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Set
 
 import torch
 
-from hivemind_accum.optim.grad_buckets import GradientBuckets
+from hivemind_accum.buffers.buckets import GradientBuckets
 
 _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
@@ -52,7 +52,7 @@ class GradViews:
                  on_rebuild: Optional[Callable[[GradientBuckets], None]] = None):
         self.parameters = tuple(parameters)
         self._on_rebuild = on_rebuild
-        self._use_(accumulators)
+        self._use(accumulators)
         self._hooks: List[torch.utils.hooks.RemovableHandle] = []
         self._hook_writes: List[int] = []  # per parameter: autograd's adds into its alias seen by the hooks
         self._holds: List[bool] = []  # per parameter: whether its alias held a sum when the hooks were registered
@@ -60,7 +60,7 @@ class GradViews:
         self._create_graph = False  # a hook saw backward(create_graph=True): keep the hooks
         self._edited: List[int] = []  # parameters whose running sum the hooks saw edited, until the reset
 
-    def _use_(self, accumulators: GradientBuckets) -> None:
+    def _use(self, accumulators: GradientBuckets) -> None:
         self.accumulators = accumulators
         self.aliases = tuple(map(_alias, accumulators.views))
         self._pointers = list(map(torch.Tensor.data_ptr, self.aliases))
@@ -87,13 +87,13 @@ class GradViews:
         self._refuse_edits()
         if all(map(operator.is_, map(_GRAD, self.parameters), self.aliases)):
             if rebuild and self._moved():
-                self._rebuild_()
+                self._rebuild()
                 versions = list(map(_VERSION, self.aliases))
             self._versions = versions
         else:
             self._attach_detached_(list(map(_GRAD, self.parameters)), versions)
         if micro_step and self._arm_next:
-            self._arm_()
+            self._arm()
 
     def _attach_detached_(self, grads: List[Optional[torch.Tensor]], versions: List[int]) -> None:
         detached = [i for i, (grad, alias) in enumerate(zip(grads, self.aliases)) if grad is not alias]
@@ -113,7 +113,7 @@ class GradViews:
                 f"zero_grad(), or use reuse_grad_buffers=False (exact mode), where .grad is yours to edit"
             )
         if self._moved():
-            self._rebuild_()
+            self._rebuild()
         with torch.no_grad():
             sources = [None] * len(self.aliases)
             fresh = [i for i in detached if grads[i] is not None]
@@ -126,12 +126,12 @@ class GradViews:
             self.parameters[i].grad = self.aliases[i]
         self._versions = list(map(_VERSION, self.aliases))
 
-    def reattach_(self) -> None:
+    def reattach(self) -> None:
         """attach every alias again, dropping whatever replaced it (the caller resets the accumulators next); build
         the accumulators anew first if an alias or a parameter moved"""
         self._disarm()
         if self._moved():
-            self._rebuild_()
+            self._rebuild()
         for param, alias in zip(self.parameters, self.aliases):
             param.grad = alias
         self._versions = list(map(_VERSION, self.aliases))
@@ -178,7 +178,7 @@ class GradViews:
                 or list(map(_DTYPE, self.parameters)) != self._dtypes
                 or list(map(_DEVICE, self.parameters)) != self._devices)
 
-    def _rebuild_(self) -> None:
+    def _rebuild(self) -> None:
         """accumulators built anew from the parameters as they are now, holding what each alias holds (cast and moved
         as the parameters were)"""
         old = self.aliases
@@ -189,7 +189,7 @@ class GradViews:
         holding = {i for i, (alias, reset) in enumerate(zip(old, self._reset_versions)) if alias._version != reset}
         attached = [param.grad is alias for param, alias in zip(self.parameters, old)]
         added = self._added | holding
-        self._use_(accumulators)
+        self._use(accumulators)
         self._added = added
         for param, alias, was_attached in zip(self.parameters, self.aliases, attached):
             if was_attached:
@@ -201,7 +201,7 @@ class GradViews:
 
     # ---- the hooks of one backward pass per epoch: in-place edits of the running sum ----
 
-    def _arm_(self) -> None:
+    def _arm(self) -> None:
         self._arm_next = False
         if self._hooks:
             return

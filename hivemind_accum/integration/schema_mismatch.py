@@ -9,13 +9,16 @@ and the peer that asked (from hivemind's DEBUG message, read by a logging filter
 """
 import logging
 import re
-from typing import Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.averager import compute_schema_hash
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 
-from hivemind_accum.optim.grad_buckets import LOW_PRECISION
+from hivemind_accum.buffers.buckets import LOW_PRECISION
 
 logger = get_logger(__name__)
 
@@ -23,8 +26,10 @@ MATCHMAKING_LOGGER = "hivemind.averaging.matchmaking"
 _REJECTED = re.compile(r"requested (\S+) to be my leader, but got rejected with BAD_SCHEMA_HASH")
 
 
-class SchemaMismatchWarning:
+class SchemaMismatchLogger:
     """
+    Logs the WARNING, once per averager (not a :class:`Warning`: it goes to the log, as hivemind's messages do).
+
     :param parameters: the averager's parameters
     :param averaged_grads: the tensors it all-reduces
     :param averaged_grads_dtype: its ``averaged_grads_dtype`` (None or ``torch.float32``)
@@ -58,7 +63,7 @@ class SchemaMismatchWarning:
             return f"in {self.low_precision} (averaged_grads_dtype=None, the default)"
         return "in float32 (averaged_grads_dtype=torch.float32)"
 
-    def report_(self, peer, their_hash: Optional[bytes] = None) -> None:
+    def report(self, peer, their_hash: Optional[bytes] = None) -> None:
         """log the WARNING for ``peer`` unless this averager did already"""
         if self.warned:
             return
@@ -79,7 +84,7 @@ class SchemaMismatchWarning:
             f"averaged_grads_dtype of hivemind_accum.GradientAverager (None, the default, keeps the parameters' dtype)"
         )
 
-    def watch_follower_side_(self) -> None:
+    def watch_follower_side(self) -> None:
         """in the averager's process: read hivemind's DEBUG message for a request refused with ``BAD_SCHEMA_HASH``
         (records below the level that was in effect are dropped here, so nothing else is logged than before)"""
         matchmaking = logging.getLogger(MATCHMAKING_LOGGER)
@@ -89,7 +94,7 @@ class SchemaMismatchWarning:
 
 
 class _RefusedRequests(logging.Filter):
-    def __init__(self, warning: SchemaMismatchWarning, threshold: int):
+    def __init__(self, warning: SchemaMismatchLogger, threshold: int):
         super().__init__()
         self.warning, self.threshold = warning, threshold
 
@@ -97,5 +102,27 @@ class _RefusedRequests(logging.Filter):
         if record.levelno <= logging.DEBUG and not self.warning.warned:
             refused = _REJECTED.search(record.getMessage())
             if refused is not None:
-                self.warning.report_(refused.group(1))
+                self.warning.report(refused.group(1))
         return record.levelno >= self.threshold
+
+
+class ReportsSchemaMismatch(DecentralizedAverager):
+    """the hooks of an averager that logs a :class:`SchemaMismatchLogger` (its ``_schema_mismatch``) from both sides of
+    a request refused with ``BAD_SCHEMA_HASH``"""
+
+    _schema_mismatch: SchemaMismatchLogger
+
+    def _run_internal(self):
+        """the averager's background process: also watch matchmaking for peers of another schema"""
+        self._schema_mismatch.watch_follower_side()
+        super()._run_internal()
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """the reply to a group request; one refused for its schema hash is reported once
+        (:class:`SchemaMismatchLogger`)"""
+        async for response in super().rpc_join_group(request, context):
+            if response.code == averaging_pb2.BAD_SCHEMA_HASH:
+                self._schema_mismatch.report(context.remote_id, request.schema_hash)
+            yield response

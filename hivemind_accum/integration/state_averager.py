@@ -8,7 +8,7 @@ upstream's own code:
 
 - ``_run_allreduce_inplace_`` (in the averager's background process, once per round): keeps a copy of this peer's
   tensors, offers non-finite ones as zeros with weight 0 and, if the round's result is not finite, restores the copy
-  (see :class:`hivemind_accum.optim.round_guard.RoundGuard`); a peer asked to hold back (:meth:`hold_back_`) also
+  (see :class:`hivemind_accum.rounds.finite.RoundGuard`); a peer asked to hold back (:meth:`hold_back`) also
   joins with weight 0 and takes the others' average;
 - ``get_current_state``: refuses to share a state that is not finite (the downloading peer then tries the next one);
 - ``load_state_from_peers`` (through :class:`_FiniteStateDownloads`, placed between upstream's class and
@@ -24,7 +24,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.optim import state_averager as upstream
 from hivemind.utils import get_logger
 
-from hivemind_accum.optim.round_guard import RoundGuard, all_finite
+from hivemind_accum.rounds.finite import RoundGuard, all_finite
 
 logger = get_logger(__name__)
 
@@ -47,7 +47,7 @@ class TrainingStateAverager(upstream.TrainingStateAverager, _FiniteStateDownload
 
     - a peer whose parameters or optimizer statistics hold inf/NaN joins the all-reduce with zeros and weight 0;
     - a non-finite averaged result is not taken: the peer keeps its own tensors;
-    - after :meth:`hold_back_` the next round is joined with weight 0;
+    - after :meth:`hold_back` the next round is joined with weight 0;
     - a non-finite state is neither shared with a downloading peer nor taken from one (docs/guide.md#non-finite-peers).
     """
 
@@ -56,7 +56,7 @@ class TrainingStateAverager(upstream.TrainingStateAverager, _FiniteStateDownload
         self._hold_back = mp.RawValue(ctypes.c_bool, False)  # set by the training process, read by the averager's
         super().__init__(**kwargs)
 
-    def hold_back_(self) -> None:
+    def hold_back(self) -> None:
         """join the next averaging round with weight 0 (and take the others' average), e.g. after skipping an
         optimizer step that the others took; cleared once a round completes (not by a round that fails)"""
         self._hold_back.value = True
@@ -65,7 +65,7 @@ class TrainingStateAverager(upstream.TrainingStateAverager, _FiniteStateDownload
         """the all-reduce of :class:`DecentralizedAverager`, guarded (runs in the averager's background process,
         the tensors locked)"""
         guard = self.round_guard
-        guard.snapshot_(tensors)  # before offer_ may zero them: a peer whose values are not finite keeps them so
+        guard.snapshot(tensors)  # before offer_ may zero them: a peer whose values are not finite keeps them so
         if not guard.offer_(tensors) or self._hold_back.value:
             kwargs["weight"] = 0.0
         try:
