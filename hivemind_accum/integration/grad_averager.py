@@ -5,15 +5,15 @@ constant number of fused operations (exact mode) or no tensor work at all (in-pl
 This module wires the package's parts into hivemind's class: the buffers (:mod:`hivemind_accum.buffers`), the
 failed-round fallback and the finite check (:mod:`hivemind_accum.rounds`). Its round methods are
 :mod:`~hivemind_accum.integration.round_keeping`'s, its matchmaking hooks
-:mod:`~hivemind_accum.integration.schema_mismatch`'s. How a gradient travels, in three files
-(docs/guide.md#a-gradients-path):
+:mod:`~hivemind_accum.integration.schema_mismatch`'s. A gradient's tensor work, in three files (the calls that lead
+there: docs/guide.md#a-gradients-path):
 
 1. ``loss.backward()`` writes ``param.grad`` (autograd).
 2. :meth:`GradientAverager.accumulate_grads_` (this file) adds it into a flat on-device accumulator
    (:mod:`hivemind_accum.buffers.buckets`; loss-scaled: :mod:`hivemind_accum.buffers.finite_add`), or, in in-place
    mode, autograd already did so because ``param.grad`` *is* an alias of that accumulator.
-3. :meth:`GradientAverager.load_accumulators_into_averager_` (this file) moves each accumulator, scaled by
-   ``1 / micro_steps``, into the averager's shared CPU buffers in one bulk op per bucket
+3. :meth:`GradientAverager.load_accumulators_into_averager_` (this file) moves each accumulator, scaled by the
+   batch-size correction over the number of micro-steps, into the averager's shared CPU buffers in one bulk op per bucket
    (:meth:`~hivemind_accum.buffers.buckets.GradientBuckets.scaled_copy_with_checksums_`); upstream's
    :class:`hivemind.averaging.DecentralizedAverager` all-reduces those buffers with peers.
 """

@@ -157,7 +157,8 @@ class LossScaledSteps(upstream.Optimizer):
         before they reach peers (one host sync per round); then as without a grad scaler"""
         if grad_scaler is not None:
             with grad_scaler.running_global_step():
-                assert grad_scaler.unscale_(self)
+                if not grad_scaler.unscale_(self):  # not an assert: python -O would skip the unscale itself
+                    raise RuntimeError("hivemind.GradScaler did not unscale the accumulated gradients at a global step")
             if not grad_scaler.are_grads_finite(self, use_cached=True):
                 logger.warning(
                     "Accumulated gradients overflowed (inf/NaN): dropping this round's local gradients, this peer "
