@@ -127,7 +127,7 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         if reuse_grad_buffers:
             self._grad_views = GradViews(self._accumulators, self.parameters, on_rebuild=self._use_accumulators)
             self._grad_views.attach_(micro_step=False)  # a .grad the model already holds is added in
-        self._local_accumulators = self._accumulator_views()  # the name hivemind's other classes read
+        self._local_accumulators = self._accumulator_views()  # upstream's name, for code written against it
 
         if averaged_grads:
             self._averaged_buckets = None
