@@ -138,7 +138,7 @@ class HostReads(TorchDispatchMode):
 def amp_host_reads(dht) -> dict:
     """host reads of each of four no-sync micro-steps' loop (zero_grad, scale(loss).backward(), scaler.step(opt),
     update()) with hivemind.GradScaler in exact mode, the second micro-step overflowing, and the scale after each"""
-    reads, scales, epoch = _amp_loop(dht, "amp_reads", layers=2)
+    reads, scales, epoch, _ = _amp_loop(dht, "amp_reads", layers=2)
     return dict(amp_host_reads=reads, amp_scales=scales, amp_epoch=epoch)
 
 
@@ -181,8 +181,7 @@ def _amp_loop(dht, run_id: str, layers: int, profile_step: Optional[int] = None,
             if step:  # the first micro-step builds the scaler's state
                 reads.append(counted.count)
                 scales.append(scaler.get_scale())
-        result = (reads, scales, opt.local_epoch)
-        return result + (ops,) if profile_step is not None else result
+        return reads, scales, opt.local_epoch, ops
     finally:
         opt.shutdown()
 
