@@ -17,7 +17,6 @@ there: docs/guide.md#a-gradients-path):
    (:meth:`~hivemind_accum.buffers.buckets.GradientBuckets.scaled_copy_with_checksums_`); upstream's
    :class:`hivemind.averaging.DecentralizedAverager` all-reduces those buffers with peers.
 """
-import operator
 import warnings
 from typing import Iterable, Iterator, Optional, Sequence
 
@@ -123,10 +122,10 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         # counters when the accumulators are loaded; a dropped first micro-step rescales them, by _anchor_correction
         self._dropped = DroppedMicroSteps(self._accumulators.buckets[0].flat.device)
         self._anchor_correction = 1.0
-        self._grad_views = None
+        self.grad_views: Optional[GradViews] = None  # in-place mode: the .grad aliases and their checks
         if reuse_grad_buffers:
-            self._grad_views = GradViews(self._accumulators, self.parameters, on_rebuild=self._use_accumulators)
-            self._grad_views.attach_(micro_step=False)  # a .grad the model already holds is added in
+            self.grad_views = GradViews(self._accumulators, self.parameters, on_rebuild=self._use_accumulators)
+            self.grad_views.attach_(micro_step=False)  # a .grad the model already holds is added in
         self._local_accumulators = self._accumulator_views()  # upstream's name, for code written against it
 
         if averaged_grads:
@@ -169,12 +168,12 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         yield from self._accumulator_views()
 
     def _accumulator_views(self) -> Sequence[torch.Tensor]:
-        return self._grad_views.aliases if self._grad_views is not None else self._accumulators.views
+        return self.grad_views.aliases if self.grad_views is not None else self._accumulators.views
 
     def _attach_grads_(self) -> None:
         """in-place mode: add every ``.grad`` that is not its accumulator view into the view, then re-attach the view
         (see :class:`~hivemind_accum.buffers.views.GradViews`)"""
-        self._grad_views.attach_()
+        self.grad_views.attach_()
 
     def _use_accumulators(self, accumulators: GradientBuckets) -> None:
         """in-place mode: the accumulators were built anew (the parameters changed dtype or device)"""
@@ -232,7 +231,7 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
                 self._warned_unequal_batches = True
             self._attach_grads_()
             return None
-        grads, alpha = list(map(_GRAD, self.parameters)), batch_size / self._anchor_batch_size
+        grads, alpha = [param.grad for param in self.parameters], batch_size / self._anchor_batch_size
         if inv_grad_scale is None:
             self._accumulators.add_(grads, alpha=alpha)
             return None
@@ -240,10 +239,11 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         self._dropped.count_(found_inf, batch_size)
         return found_inf
 
-    def _settle_dropped_micro_steps(self) -> None:
-        """subtract micro-steps dropped for inf/NaN gradients from the host counters: one host sync per round"""
+    def settle_dropped_micro_steps(self) -> bool:
+        """subtract micro-steps dropped for inf/NaN gradients from the host counters: one host read, and only if
+        ``accumulate_grads_`` was given ``inv_grad_scale`` since the last settle; returns whether it read"""
         if not self._dropped.may_have_dropped:
-            return
+            return False
         dropped_samples, dropped_micro_steps, first_kept_batch_size = self._dropped.collect_()
         if dropped_micro_steps:
             logger.info(f"Dropped {dropped_micro_steps} micro-step(s), {dropped_samples} samples, with inf/NaN grads")
@@ -251,6 +251,7 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         self.local_times_accumulated -= dropped_micro_steps
         if first_kept_batch_size:  # kept (not zeroed) so that later micro-steps do not overwrite it
             self._anchor_correction = self._anchor_batch_size / first_kept_batch_size
+        return True
 
     @torch.no_grad()
     def reset_accumulated_grads_(self):
@@ -264,7 +265,7 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         self._dropped.reset_()
         self._anchor_correction = 1.0
         if self.reuse_grad_buffers:
-            self._grad_views.reattach()
+            self.grad_views.reattach()
         if handing_off:
             self.local_fallback.hand_off_(self._loaded_scale, finite=self.round_guard.own_finite)
         else:
@@ -296,8 +297,8 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         if self.local_fallback.holding:  # a round began since the last micro-step: there is nothing new to load
             self.local_fallback.release_()
         if self.reuse_grad_buffers:
-            self._grad_views.attach_(micro_step=False, rebuild=True)
-        self._settle_dropped_micro_steps()
+            self.grad_views.attach_(micro_step=False, rebuild=True)
+        self.settle_dropped_micro_steps()
         times = self.local_times_accumulated
         grad_scale = (self._anchor_correction / times) if times != 0 else 0.0
         self._loaded_scale = grad_scale
@@ -325,5 +326,3 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
             return self._averaged_buckets
         return averaged_grads
 
-
-_GRAD = operator.attrgetter("grad")

@@ -1,31 +1,42 @@
 """
-:class:`hivemind.Optimizer` that builds this package's averagers and progress tracker: wiring only. Its step's loss
-scaling is :mod:`~hivemind_accum.integration.loss_scaling`'s, its round hooks (which gradients each step uses)
-:mod:`~hivemind_accum.integration.round_steps`'s, and its workarounds for hivemind 1.1.12
+:class:`hivemind.Optimizer` that builds this package's averagers and progress tracker, and its step: a micro-step's
+gradients go to :meth:`GradientAverager.accumulate_grads_`, unscaled there with a grad scaler and without a host read
+(the two grad-scaler protocols: docs/guide.md). Its round hooks (which gradients each optimizer step uses) are
+:mod:`~hivemind_accum.integration.round_steps`', its workarounds for hivemind 1.1.12
 :mod:`~hivemind_accum.integration.workarounds`'.
 """
 import inspect
-from typing import Optional
+from typing import Callable, Optional
 
+import torch
 from hivemind.dht import DHT
 from hivemind.optim import optimizer as upstream
 from hivemind.optim.grad_averager import GradientAveragerFactory
+from hivemind.optim.grad_scaler import GradScaler as HivemindGradScaler
 from hivemind.optim.state_averager import ZERO_GRAD_SET_TO_NONE_DEFAULT
 from hivemind.utils import get_logger
 
 from hivemind_accum.arguments import check_distinct, is_positive_int, named_params, params_as_lists
 from hivemind_accum.integration import workarounds
 from hivemind_accum.integration.grad_averager import GradientAverager
-from hivemind_accum.integration.loss_scaling import LossScaledSteps
 from hivemind_accum.integration.progress_tracker import ProgressTracker
 from hivemind_accum.integration.round_steps import RoundSteps
 from hivemind_accum.integration.state_averager import TrainingStateAverager
-from hivemind_accum.torch_compat import foreach_zero_
+from hivemind_accum.torch_compat import (
+    allow_scale_growth,
+    begin_exact_micro_step,
+    check_hivemind_grad_scaler_internals,
+    declare_scaling_aware_step,
+    end_exact_micro_step,
+    foreach_zero_,
+    inv_loss_scale,
+    record_found_inf,
+)
 
 logger = get_logger(__name__)
 
 
-class Optimizer(LossScaledSteps, RoundSteps, upstream.Optimizer):
+class Optimizer(RoundSteps, upstream.Optimizer):
     """
     A subclass of :class:`hivemind.Optimizer` accepting every upstream argument unchanged. Differences:
 
@@ -101,10 +112,114 @@ class Optimizer(LossScaledSteps, RoundSteps, upstream.Optimizer):
             client_mode=client_mode, auxiliary=auxiliary, **kwargs,
         )
         self._init_round_steps()
-        self._init_loss_scaling()
+        self._micro_step_scaler = None  # the grad scaler of the exact-mode step now running, see step()
+        self._own_found_inf_record = []  # the overflow tensors hivemind.GradScaler last left (end_exact_micro_step)
+        if self.use_gradient_averaging and not self.auxiliary:
+            # torch.amp.GradScaler.step then hands itself to step() instead of unscaling and reading the overflow
+            # flag on the host before every micro-step
+            declare_scaling_aware_step(self)
 
     # help() and inspect.signature list upstream's arguments (inspect reads a class's own __new__ first)
     __new__.__signature__ = __init__.__signature__ = inspect.signature(upstream.Optimizer.__init__)
+
+    def step(
+        self,
+        closure: Optional[Callable[[], torch.Tensor]] = None,
+        batch_size: Optional[int] = None,
+        grad_scaler: Optional[torch.amp.GradScaler] = None,
+    ):
+        """
+        Update training progress after accumulating another local batch size. Depending on the configuration, this
+        will report progress to peers, run global or local optimizer step, average parameters or schedule background
+        tasks. Loss scaling never synchronizes with an accelerator in the no-sync step (docs/guide.md):
+
+        - exact mode, ``torch.amp.GradScaler`` or ``hivemind.GradScaler``: each micro-step is unscaled and checked as it
+          is accumulated; one that overflows is dropped whole, its samples leave this peer's progress, and the scale
+          backs off on the device: in ``update()`` (``torch.amp.GradScaler``) or in this step (``hivemind.GradScaler``,
+          whose ``update()`` reads every overflow record on the host; it grows only after a global step, as in place);
+        - in-place mode, ``hivemind.GradScaler``: the accumulated gradients are unscaled and checked once per round;
+          an overflow drops the round's local gradients (weight 0, no optimizer step), as native accumulation does.
+
+        :param closure: A closure that reevaluates the model and returns the loss
+        :param batch_size: optional override for batch_size_per_step from init
+        :param grad_scaler: ``torch.amp.GradScaler`` or ``hivemind.GradScaler`` with ``reuse_grad_buffers=False``,
+          ``hivemind.GradScaler`` with ``reuse_grad_buffers=True``; a disabled scaler counts as none
+        :raises ValueError: for any other grad scaler: a ``torch.amp.GradScaler`` in in-place mode (its ``unscale_``
+          would unscale the accumulated gradients again every micro-step), or one that is no ``torch.amp.GradScaler``;
+          and in exact mode if the loop called ``hivemind.GradScaler.unscale_(opt)`` (it leaves the gradients scaled
+          between global steps, so whatever read or clipped them saw scaled values)
+        :raises TorchInternalsError: at the first step with a grad scaler, if a private torch interface that loss
+          scaling relies on changed in this torch release (the message names it; docs/compatibility.md)
+        """
+        if grad_scaler is not None and not grad_scaler.is_enabled():
+            grad_scaler = None
+        if grad_scaler is None or not self.use_gradient_averaging or self.auxiliary:
+            return super().step(closure, batch_size, grad_scaler)
+        if self.grad_averager.reuse_grad_buffers:
+            if not isinstance(grad_scaler, HivemindGradScaler):
+                raise ValueError(
+                    f"grad_scaler: reuse_grad_buffers=True needs hivemind.GradScaler "
+                    f"(got {_qualified_name(grad_scaler)}): "
+                    f"a plain scaler's unscale_ would unscale the accumulated gradients again on every micro-step; "
+                    f"or use reuse_grad_buffers=False, which accepts torch.amp.GradScaler"
+                )
+            check_hivemind_grad_scaler_internals()  # before the scaler unscales or checks anything
+            return super().step(closure, batch_size, grad_scaler)
+        if not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise ValueError(
+                f"grad_scaler: reuse_grad_buffers=False needs torch.amp.GradScaler or hivemind.GradScaler "
+                f"(got {_qualified_name(grad_scaler)})"
+            )
+        if isinstance(grad_scaler, HivemindGradScaler):
+            begin_exact_micro_step(grad_scaler, self, self._own_found_inf_record)
+        record_found_inf(grad_scaler, self)  # update() needs a record even if this micro-step is discarded
+        self._micro_step_scaler = grad_scaler
+        try:
+            # the accumulators hold unscaled, finite gradients: the global step runs as without loss scaling
+            return super().step(closure, batch_size, grad_scaler=None)
+        finally:
+            self._micro_step_scaler = None
+            if isinstance(grad_scaler, HivemindGradScaler):
+                self._own_found_inf_record = end_exact_micro_step(grad_scaler, self)
+
+    def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler: Optional[HivemindGradScaler]) -> bool:
+        """accumulate this micro-step's gradients without reading anything on the host on an accelerator (on the CPU:
+        one read, see :meth:`step`)"""
+        scaler = self._micro_step_scaler
+        if scaler is not None:  # exact mode: unscale, check and maybe drop (on an accelerator, on the device)
+            # 1 / scale, or 1.0 if the loop called torch.amp.GradScaler.unscale_(opt)
+            found_inf = self.grad_averager.accumulate_grads_(batch_size, inv_grad_scale=inv_loss_scale(scaler, self))
+            record_found_inf(scaler, self, found_inf)
+        else:  # in-place mode with a grad scaler: checked once per round, in _begin_averaging_gradients
+            self.grad_averager.accumulate_grads_(batch_size)
+        self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
+        return True
+
+    def _update_global_epoch(self, grad_scaler: Optional[HivemindGradScaler]) -> None:
+        """exact mode with a grad scaler: before the epoch ends, subtract the micro-steps dropped for overflow from the
+        reported progress (one host read per epoch); if the swarm is then short of its target, the epoch goes on"""
+        if self._micro_step_scaler is not None and self.grad_averager.settle_dropped_micro_steps():
+            self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
+            if not self.tracker.ready_to_update_epoch:
+                return
+        super()._update_global_epoch(grad_scaler)
+        if isinstance(self._micro_step_scaler, HivemindGradScaler):
+            allow_scale_growth(self._micro_step_scaler)
+
+    def _begin_averaging_gradients(self, grad_scaler: Optional[HivemindGradScaler]) -> bool:
+        """in-place mode with a grad scaler: unscale the accumulated gradients and, if they overflowed, drop them
+        before they reach peers (one host sync per round); then as without a grad scaler"""
+        if grad_scaler is not None:
+            with grad_scaler.running_global_step():
+                if not grad_scaler.unscale_(self):  # not an assert: python -O would skip the unscale itself
+                    raise RuntimeError("hivemind.GradScaler did not unscale the accumulated gradients at a global step")
+            if not grad_scaler.are_grads_finite(self, use_cached=True):
+                logger.warning(
+                    "Accumulated gradients overflowed (inf/NaN): dropping this round's local gradients, this peer "
+                    "averages with weight 0 and skips the optimizer step; the loss scale will back off"
+                )
+                self.grad_averager.reset_accumulated_grads_()
+        return super()._begin_averaging_gradients(None)
 
     def __del__(self):
         if hasattr(self, "state_averager"):  # a constructor that raised early has nothing to shut down
@@ -155,7 +270,7 @@ class Optimizer(LossScaledSteps, RoundSteps, upstream.Optimizer):
           not yet followed by ``step()``: its gradient is in the running sum already, so it cannot be dropped
         """
         params = [param for group in self.param_groups for param in group["params"]]
-        views = getattr(self.grad_averager, "_grad_views", None) if self.use_gradient_averaging else None
+        views = getattr(self.grad_averager, "grad_views", None) if self.use_gradient_averaging else None
         if set_to_none:
             if views is not None:
                 views.check_no_unstepped_grads()
@@ -191,11 +306,7 @@ class Optimizer(LossScaledSteps, RoundSteps, upstream.Optimizer):
             self._bind_offloaded_grads(grad_averager)
         return grad_averager
 
-    def _bind_offloaded_grads(self, grad_averager) -> None:
-        """offloaded: each optimizer parameter's ``.grad`` is its averaged buffer where the dtypes match, or, where the
-        dtypes differ (fp16/bf16 averaged buffers, float32 optimizer parameters), a float32 tensor of its own that
-        :meth:`_load_gradients_into_optimizer_` fills once per round (``workarounds.bind_offloaded_grads``)"""
-        with grad_averager.get_tensors() as averaged_grads:
-            self._offloaded_grad_copies = workarounds.bind_offloaded_grads(
-                self.state_averager.optimizer.param_groups, averaged_grads
-            )
+
+def _qualified_name(obj) -> str:
+    """``obj``'s class with its module, e.g. ``hivemind.optim.grad_scaler.GradScaler``"""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"

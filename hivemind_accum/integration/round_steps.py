@@ -131,10 +131,19 @@ class RoundSteps(upstream.Optimizer):
         ``.grad`` from fp16/bf16 averaged buffers"""
         if not self.offload_optimizer:
             workarounds.create_missing_grads(self.state_averager.optimizer.param_groups)
-        elif getattr(self, "_offloaded_grad_copies", ([], []))[0]:  # see Optimizer._bind_offloaded_grads
+        elif getattr(self, "_offloaded_grad_copies", ([], []))[0]:  # see _bind_offloaded_grads
             with torch.no_grad(), self.grad_averager.get_tensors():
                 foreach_copy_(*self._offloaded_grad_copies)
         super()._load_averaged_gradients_into_optimizer_()
+
+    def _bind_offloaded_grads(self, grad_averager) -> None:
+        """offloaded: each optimizer parameter's ``.grad`` is its averaged buffer where the dtypes match, or, where the
+        dtypes differ (fp16/bf16 averaged buffers, float32 optimizer parameters), a float32 tensor of its own that
+        :meth:`_load_gradients_into_optimizer_` fills once per round (``workarounds.bind_offloaded_grads``)"""
+        with grad_averager.get_tensors() as averaged_grads:
+            self._offloaded_grad_copies = workarounds.bind_offloaded_grads(
+                self.state_averager.optimizer.param_groups, averaged_grads
+            )
 
     def _step_with_host_copy(self) -> bool:
         """delayed averaging (offloaded): if the round's local gradients were copied to host memory (the next epoch

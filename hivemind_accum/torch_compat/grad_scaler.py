@@ -1,16 +1,15 @@
 """
-``torch.amp.GradScaler``'s private state and the contract this package relies on, and hivemind's ``GradScaler``
-contract with it.
+``torch.amp.GradScaler``'s private state and the contract this package relies on (``hivemind.GradScaler``'s is
+:mod:`~hivemind_accum.torch_compat.hivemind_grad_scaler`).
 
 Loss scaling without a host read per micro-step needs ``torch.amp.GradScaler``'s per-optimizer state (the overflow
 record its ``update()`` reads, the stage that says whether the loop already unscaled), its loss scale tensor and the
-``_step_supports_amp_scaling`` hand-over; ``hivemind.GradScaler`` calls private methods of ``torch.amp.GradScaler``.
+``_step_supports_amp_scaling`` hand-over.
 None of these is public API: :func:`check_grad_scaler_internals` runs the whole contract on a scaler of its own at
 the first loss-scaled step, and each accessor checks the shape of what it reads (failures raise
 :class:`~hivemind_accum.torch_compat.checks.TorchInternalsError`).
 """
 import enum
-import inspect
 import warnings
 from typing import Dict, Optional, Sequence
 
@@ -263,39 +262,3 @@ def _run_grad_scaler_contract() -> None:
                 f"torch._amp_update_scale_ left (scale, growth tracker) at {(scaler.get_scale(), int(tracker))} after "
                 f"{'an overflow' if overflow else 'a clean step'} (expected {expected})"
             )
-
-
-# the private torch.amp.GradScaler methods hivemind.GradScaler calls: name -> (positional, keyword arguments it passes)
-HIVEMIND_GRAD_SCALER_CALLS = {
-    "_unscale_grads_": (("optimizer", "inv_scale", "found_inf"), ("allow_fp16",)),
-    "_check_inf_per_device": (("optimizer",), ()),
-    "_found_inf_per_device": (("optimizer",), ()),
-}
-
-
-def _check_hivemind_grad_scaler() -> None:
-    use = "loss-scales in place (reuse_grad_buffers=True) with hivemind.GradScaler, which calls it"
-    for name, (positional, keywords) in HIVEMIND_GRAD_SCALER_CALLS.items():
-        method = getattr(torch.amp.GradScaler, name, None)
-        if not callable(method):
-            raise changed(f"torch.amp.GradScaler.{name} is missing", use)
-        try:
-            inspect.signature(method).bind(None, *positional, **dict.fromkeys(keywords))
-        except TypeError:
-            call = ", ".join([*positional, *(f"{keyword}=..." for keyword in keywords)])
-            raise changed(f"torch.amp.GradScaler.{name}{inspect.signature(method)} does not take ({call})", use)
-    states = getattr(torch.amp.GradScaler("cpu"), "_per_optimizer_states", None)
-    if not hasattr(states, "__getitem__") or not isinstance(states[0], dict) or "stage" not in states[0]:
-        raise changed("torch.amp.GradScaler._per_optimizer_states holds no 'stage' per optimizer", use)
-
-
-def check_hivemind_grad_scaler_internals() -> None:
-    """
-    Check, once per process, that ``torch.amp.GradScaler`` has the private methods ``hivemind.GradScaler`` calls
-    (``_unscale_grads_``, ``_check_inf_per_device``, ``_found_inf_per_device``, with the parameters it passes) and a
-    per-optimizer record with a stage. The in-place mode runs it at its first step with a ``hivemind.GradScaler``.
-
-    :raises TorchInternalsError: naming the torch version and the first of them that is missing or changed
-    """
-    check_once("hivemind.GradScaler", _check_hivemind_grad_scaler)
-
