@@ -3,9 +3,10 @@ pytest-benchmark suite: ``pytest benchmarks/ --benchmark-only`` (CPU), or with `
 hivemind#566's setting on a GPU (``benchmarks/gpu_run.sh`` runs it on a saved sweep).
 
 One benchmark group per model size (or ``model:precision``, see :mod:`benchmarks.micro_step_worker`) and metric
-(full micro-step, no-sync ``step()``, averaging-time load), one benchmark per implementation. Samples come from fresh
-worker processes that alternate between implementations (:func:`benchmarks.sweep.run_sweep`); the tests replay them
-into pytest-benchmark so its statistics, saved JSON and ``--benchmark-compare`` cover them. Each benchmark of this
+(full micro-step, no-sync ``step()``), one benchmark per implementation; the averaging-time load is
+``benchmarks/test_floor_costs.py``'s. Samples come from fresh worker processes that alternate between implementations
+(:func:`benchmarks.sweep.run_sweep`); the tests replay them into pytest-benchmark so its statistics, saved JSON and
+``--benchmark-compare`` cover them. Each benchmark of this
 package's modes also asserts its target:
 
 - CPU: exact mode micro-step at most 1.15x native accumulation; its no-sync step cheaper than upstream's on models of
@@ -82,14 +83,6 @@ def test_no_sync_step(benchmark, sweep_results, model, impl):
         )
     if impl == "inplace" and not CUDA:
         assert median < IN_PLACE_NO_SYNC_TARGET_S, f"in-place no-sync step on {model}: {1e3 * median:.3f} ms, target < 1 ms"
-
-
-@pytest.mark.parametrize("impl", HIVEMIND_IMPLEMENTATIONS)
-@pytest.mark.parametrize("model", BENCH_MODELS)
-def test_averaging_time_load(benchmark, sweep_results, model, impl):
-    runs = sweep_results(model, impl)
-    benchmark.group = f"averaging-time load {model}"
-    record_samples(benchmark, pooled(runs[impl], "load"))
 
 
 @pytest.mark.skipif(not CUDA, reason="host syncs, kernel launches and device memory are measured on CUDA")
