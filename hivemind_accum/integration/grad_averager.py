@@ -5,8 +5,8 @@ constant number of fused operations (exact mode) or no tensor work at all (in-pl
 This module wires the package's parts into hivemind's class: the buffers (:mod:`hivemind_accum.buffers`), the
 failed-round fallback and the finite check (:mod:`hivemind_accum.rounds`). Its round methods are
 :mod:`~hivemind_accum.integration.round_keeping`'s, its matchmaking hooks
-:mod:`~hivemind_accum.integration.schema_mismatch`'s. A gradient's tensor work, in three files (the calls that lead
-there: docs/guide.md#a-gradients-path):
+:mod:`~hivemind_accum.integration.schema_mismatch`'s. A gradient's data, in three files (every call on its way:
+docs/guide.md#a-gradients-path):
 
 1. ``loss.backward()`` writes ``param.grad`` (autograd).
 2. :meth:`GradientAverager.accumulate_grads_` (this file) adds it into a flat on-device accumulator

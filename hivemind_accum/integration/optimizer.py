@@ -190,7 +190,7 @@ class Optimizer(RoundSteps, upstream.Optimizer):
             # 1 / scale, or 1.0 if the loop called torch.amp.GradScaler.unscale_(opt)
             found_inf = self.grad_averager.accumulate_grads_(batch_size, inv_grad_scale=inv_loss_scale(scaler, self))
             record_found_inf(scaler, self, found_inf)
-        else:  # in-place mode with a grad scaler: checked once per round, in _begin_averaging_gradients
+        else:  # no grad scaler, or in place with hivemind.GradScaler (checked once per round, at its beginning)
             self.grad_averager.accumulate_grads_(batch_size)
         self.tracker.report_local_progress(self.local_epoch, self.grad_averager.local_samples_accumulated)
         return True

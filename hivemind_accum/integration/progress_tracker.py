@@ -59,10 +59,15 @@ class ProgressTracker(upstream.ProgressTracker):
             self._woken = record
             self.should_report_progress.set()
         elif self._deferred is None:  # published at most half a refresh period late, also if no report follows
-            delay = self.min_refresh_period / 2 - (record[3] - self._woken[3])
+            delay = self._report_lag - (record[3] - self._woken[3])
             self._deferred = threading.Timer(max(delay, 0.0), self._wake_deferred)
             self._deferred.daemon = True
             self._deferred.start()
+
+    @property
+    def _report_lag(self) -> float:
+        """how late, at most, a report that does not wake the reporter reaches peers: half a refresh period"""
+        return self.min_refresh_period / 2
 
     _woken: Optional[Tuple] = None  # the record of the last report that woke the reporter
     _deferred: Optional[threading.Timer] = None  # the wake-up of a report that did not wake the reporter
@@ -86,7 +91,7 @@ class ProgressTracker(upstream.ProgressTracker):
             or record[0] != woken[0]
             or record[1] < woken[1]
             or max(self.global_progress.samples_accumulated, record[1]) >= self.target_batch_size
-            or record[3] - woken[3] >= self.min_refresh_period / 2
+            or record[3] - woken[3] >= self._report_lag
         )
 
     def _read_local_progress(self) -> LocalTrainingProgress:

@@ -3,8 +3,8 @@
 :mod:`~hivemind_accum.torch_compat.hivemind_grad_scaler`).
 
 Loss scaling without a host read per micro-step needs ``torch.amp.GradScaler``'s per-optimizer state (the overflow
-record its ``update()`` reads, the stage that says whether the loop already unscaled), its loss scale tensor and the
-``_step_supports_amp_scaling`` hand-over.
+record its ``update()`` reads, the stage that says whether the loop already unscaled), its loss scale and growth
+tracker tensors, its backoff factor and the ``_step_supports_amp_scaling`` hand-over.
 None of these is public API: :func:`check_grad_scaler_internals` runs the whole contract on a scaler of its own at
 the first loss-scaled step, and each accessor checks the shape of what it reads (failures raise
 :class:`~hivemind_accum.torch_compat.checks.TorchInternalsError`).

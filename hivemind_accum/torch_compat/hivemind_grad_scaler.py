@@ -3,7 +3,8 @@
 
 ``hivemind.GradScaler`` (1.1.12) calls private methods of ``torch.amp.GradScaler``, checked here once per process.
 In exact mode this package drives its micro-steps through its private ``_lock``, ``_optimizer_states_to_reset`` and
-``_is_ready_to_update``: the three functions below are the only code that touches them.
+``_is_ready_to_update``: the three functions below are the only code that touches them. They are not checked at run
+time: this package requires hivemind 1.1.12 exactly, and ``tests/test_mixed_precision.py`` runs them against it.
 """
 import inspect
 from typing import List, Sequence
