@@ -29,7 +29,7 @@ from hivemind.utils import get_logger
 from hivemind_accum.arguments import check_averaged_grads, check_micro_step
 from hivemind_accum.buffers.buckets import LOW_PRECISION, GradientBuckets
 from hivemind_accum.buffers.finite_add import DroppedMicroSteps
-from hivemind_accum.buffers.views import GradViews
+from hivemind_accum.buffers.aliases import GradAliases
 from hivemind_accum.integration.round_keeping import KeepsRoundsForFallback
 from hivemind_accum.integration.schema_mismatch import ReportsSchemaMismatch, SchemaMismatchLogger
 from hivemind_accum.rounds.fallback import LocalFallback
@@ -122,10 +122,10 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         # counters when the accumulators are loaded; a dropped first micro-step rescales them, by _anchor_correction
         self._dropped = DroppedMicroSteps(self._accumulators.buckets[0].flat.device)
         self._anchor_correction = 1.0
-        self.grad_views: Optional[GradViews] = None  # in-place mode: the .grad aliases and their checks
+        self.grad_aliases: Optional[GradAliases] = None  # in-place mode: the .grad aliases and their checks
         if reuse_grad_buffers:
-            self.grad_views = GradViews(self._accumulators, self.parameters, on_rebuild=self._use_accumulators)
-            self.grad_views.attach_(micro_step=False)  # a .grad the model already holds is added in
+            self.grad_aliases = GradAliases(self._accumulators, self.parameters, on_rebuild=self._use_accumulators)
+            self.grad_aliases.attach_(micro_step=False)  # a .grad the model already holds is added in
         self._local_accumulators = self._accumulator_views()  # upstream's name, for code written against it
 
         if averaged_grads:
@@ -168,12 +168,12 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         yield from self._accumulator_views()
 
     def _accumulator_views(self) -> Sequence[torch.Tensor]:
-        return self.grad_views.aliases if self.grad_views is not None else self._accumulators.views
+        return self.grad_aliases.aliases if self.grad_aliases is not None else self._accumulators.views
 
     def _attach_grads_(self) -> None:
         """in-place mode: add every ``.grad`` that is not its accumulator view into the view, then re-attach the view
-        (see :class:`~hivemind_accum.buffers.views.GradViews`)"""
-        self.grad_views.attach_()
+        (see :class:`~hivemind_accum.buffers.aliases.GradAliases`)"""
+        self.grad_aliases.attach_()
 
     def _use_accumulators(self, accumulators: GradientBuckets) -> None:
         """in-place mode: the accumulators were built anew (the parameters changed dtype or device)"""
@@ -265,7 +265,7 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         self._dropped.reset_()
         self._anchor_correction = 1.0
         if self.reuse_grad_buffers:
-            self.grad_views.reattach()
+            self.grad_aliases.reattach()
         if handing_off:
             self.local_fallback.hand_off_(self._loaded_scale, finite=self.round_guard.own_finite)
         else:
@@ -297,7 +297,7 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         if self.local_fallback.holding:  # a round began since the last micro-step: there is nothing new to load
             self.local_fallback.release_()
         if self.reuse_grad_buffers:
-            self.grad_views.attach_(micro_step=False, rebuild=True)
+            self.grad_aliases.attach_(micro_step=False, rebuild=True)
         self.settle_dropped_micro_steps()
         times = self.local_times_accumulated
         grad_scale = (self._anchor_correction / times) if times != 0 else 0.0

@@ -270,18 +270,18 @@ class Optimizer(RoundSteps, upstream.Optimizer):
           not yet followed by ``step()``: its gradient is in the running sum already, so it cannot be dropped
         """
         params = [param for group in self.param_groups for param in group["params"]]
-        views = getattr(self.grad_averager, "grad_views", None) if self.use_gradient_averaging else None
+        aliases = getattr(self.grad_averager, "grad_aliases", None) if self.use_gradient_averaging else None
         if set_to_none:
-            if views is not None:
-                views.check_no_unstepped_grads()
+            if aliases is not None:
+                aliases.check_no_unstepped_grads()
             for param in params:
                 param.grad = None
             return
         grads = [param.grad for param in params if param.grad is not None]
-        if views is None:
+        if aliases is None:
             foreach_zero_(grads)
         else:
-            with views.own_write(zeroes=True):  # the accumulators' reset, not an edit of the running sum
+            with aliases.own_write(zeroes=True):  # the accumulators' reset, not an edit of the running sum
                 foreach_zero_(grads)
 
     def _make_gradient_averager(self, factory: Optional[GradientAveragerFactory], **kwargs) -> GradientAverager:

@@ -4,7 +4,7 @@ Python call in backward.
 
 Each ``param.grad`` is an alias of its slice of a flat accumulator (``Tensor.set_`` on the bucket's storage). Autograd
 adds each micro-step's gradient into it in place, as native accumulation adds into ``.grad``. Unlike a view, an alias
-has a version counter of its own, which autograd's add and any in-place edit move by one. :meth:`GradViews.attach_`
+has a version counter of its own, which autograd's add and any in-place edit move by one. :meth:`GradAliases.attach_`
 runs at every ``step()`` and reads, on the host, what happened since the previous call:
 
 - identity: a ``.grad`` that is not its alias was set to None (``zero_grad``) and maybe refilled by backward, or
@@ -38,7 +38,7 @@ _VERSION = operator.attrgetter("_version")
 _DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
 
 
-class GradViews:
+class GradAliases:
     """
     Keeps every ``param.grad`` an alias of ``accumulators`` and adds whatever replaced an alias into it.
 
@@ -283,11 +283,11 @@ def _names(parameters: Sequence[torch.Tensor], indices: Sequence[int]) -> str:
 
 
 class _BeforeAutogradAdds:
-    """a parameter hook (it returns None: the gradient is unchanged) calling its :class:`GradViews`, if still alive"""
+    """a parameter hook (it returns None: the gradient is unchanged) calling its :class:`GradAliases`, if still alive"""
 
     __slots__ = ("owner", "index")
 
-    def __init__(self, owner: "weakref.ref[GradViews]", index: int):
+    def __init__(self, owner: "weakref.ref[GradAliases]", index: int):
         self.owner, self.index = owner, index
 
     def __call__(self, grad: torch.Tensor) -> None:
