@@ -153,9 +153,8 @@ def test_amp_loop_host_reads_per_no_sync_micro_step(behaviour):
     assert patched["amp_epoch"] == upstream["amp_epoch"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="in-place mode's contract (a .grad set to None between micro-steps is added, "
-                   "not lost) is not yet cut as a pull request for hivemind: docs/upstream.md")
 def test_in_place_mode_equals_native_accumulation_with_grads_set_to_none(behaviour):
+    """a .grad set to None between micro-steps is added, not lost (PR 21)"""
     upstream = behaviour["upstream"]
     # hivemind 1.1.12's in-place mode loses the gradients of every micro-step but the last in this loop
     assert any(not torch.allclose(a, n.to(a.dtype)) for a, n in zip(upstream["in_place"], upstream["native"]))
