@@ -66,6 +66,15 @@ def params_as_lists(params):
     return params, named_params(params, "params")
 
 
+def check_batch_size_per_step(batch_size_per_step) -> None:
+    """:raises ValueError: unless ``batch_size_per_step`` of ``hivemind.Optimizer`` is a positive int or None"""
+    if batch_size_per_step is not None and not is_positive_int(batch_size_per_step):
+        raise ValueError(
+            f"batch_size_per_step: expected a positive int (samples per micro-step) or None (then pass batch_size= to "
+            f"every step()), got {batch_size_per_step!r}"
+        )
+
+
 def check_micro_step(batch_size, inv_grad_scale: Optional[torch.Tensor], reuse_grad_buffers: bool) -> None:
     """the arguments of ``GradientAverager.accumulate_grads_``: see its ``:raises ValueError:``"""
     if not is_positive_int(batch_size):

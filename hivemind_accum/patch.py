@@ -8,7 +8,7 @@ import threading
 from hivemind.optim import optimizer as upstream_optimizer
 from hivemind.optim.grad_scaler import GradScaler as HivemindGradScaler
 
-from hivemind_accum.arguments import is_positive_int
+from hivemind_accum.arguments import check_batch_size_per_step
 from hivemind_accum.integration.grad_averager import GradientAverager
 from hivemind_accum.integration.optimizer import Optimizer
 
@@ -43,11 +43,8 @@ def _refuse_scaled_exact_step(optimizer, grad_scaler) -> None:
 @functools.wraps(_UPSTREAM["step"])
 def _step(self, closure=None, batch_size=None, grad_scaler=None):
     _refuse_scaled_exact_step(self, grad_scaler)
-    if batch_size is None and self.batch_size_per_step is not None and not is_positive_int(self.batch_size_per_step):
-        raise ValueError(
-            f"batch_size_per_step: expected a positive int (samples per micro-step), got {self.batch_size_per_step!r}; "
-            f"pass it to hivemind.Optimizer, or batch_size= to every step()"
-        )
+    if batch_size is None:  # hivemind.Optimizer does not check it at construction
+        check_batch_size_per_step(self.batch_size_per_step)
     return _UPSTREAM["step"](self, closure, batch_size, grad_scaler)
 
 

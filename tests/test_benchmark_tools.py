@@ -245,7 +245,7 @@ def test_memory_table_counts_each_buffer_once(dht, label, dtype, expected):
     """docs/guide.md's memory table: bytes per parameter element in .grad, accumulators and staging, shared buffers"""
     configuration = next(c for c in memory_table.CONFIGURATIONS if c[0] == label)
     held = memory_table.measure(dht, *configuration, dtype)
-    # in place keeps three float32 drop counters besides the views: 12 bytes over the MLP's 10 384 elements
+    # loss scaling keeps 8 float32 drop flags besides the buffers: 32 bytes over the MLP's 10 384 elements
     assert tuple(round(held[group], 2) for group in (".grad", "accumulators", "shared")) == expected, held
 
 

@@ -239,6 +239,5 @@ def test_loss_scaled_micro_step_of_the_averager_allocates_nothing_after_the_firs
             costs[2 * num_layers].append(StepCost(len(ops.ops), allocated_bytes(prof), device_to_host_copies=0))
     for tensors, steps in costs.items():
         assert steps[1].allocated_bytes == steps[2].allocated_bytes == 0, costs
-    # add_finite_'s (see FUSED_ADD_COSTS), then the drop counters': add_ (samples), add_ (micro-steps), logical_not,
-    # add_, addcmul_
-    assert costs[40][2].top_level_ops == costs[400][2].top_level_ops == FUSED_ADD_COSTS[fused][1] + 5, costs
+    # add_finite_'s (see FUSED_ADD_COSTS), then the drop flag's slot: select, copy_
+    assert costs[40][2].top_level_ops == costs[400][2].top_level_ops == FUSED_ADD_COSTS[fused][1] + 2, costs

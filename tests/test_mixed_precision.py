@@ -41,6 +41,26 @@ def force_loss_scaling_path(path: str) -> None:
 
 
 @pytest.mark.forked
+@pytest.mark.parametrize("path", LOSS_SCALING_PATHS)
+def test_dropped_samples_are_counted_exactly_past_float32s_integers(dht, path):
+    """three dropped micro-steps of 2**24 + 1 samples, then one kept: the averaging weight is that one's batch size
+    exactly (float32 counters would subtract 3 * 2**24 and leave 3 samples too many) and its gradient is the average"""
+    force_loss_scaling_path(path)
+    model = torch.nn.Linear(4, 2)
+    averager = GradientAverager(model.parameters(), dht=dht, prefix="counts", start=False)
+    batch_size = 2**24 + 1
+    for overflow in (True, True, True, False):
+        for param in model.parameters():
+            param.grad = torch.full_like(param, float("inf") if overflow else 3.0)
+        averager.accumulate_grads_(batch_size, inv_grad_scale=torch.tensor(1.0))
+    averager.load_accumulators_into_averager_()
+    assert (averager.local_times_accumulated, averager.local_samples_accumulated) == (1, batch_size)
+    with averager.get_tensors() as averaged:
+        for avg in averaged:
+            assert torch.equal(avg, torch.full_like(avg, 3.0))
+
+
+@pytest.mark.forked
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_gradients_accumulate_in_fp32(dht, dtype):
     """K micro-steps of bf16/fp16 gradients: the fp32 accumulators' error against an fp64 sum is at least 10x smaller
@@ -114,7 +134,7 @@ def test_overflowing_micro_step_is_dropped(dht, path, device):
         for avg, exp in zip(averaged, native, strict=True):
             torch.testing.assert_close(avg, exp.cpu() / 3)
     averager.reset_accumulated_grads_()
-    assert averager._dropped.micro_steps.item() == 0
+    assert averager._dropped.collect_() == (0, 0, 0)  # nothing left to subtract from the next epoch
 
 
 @pytest.mark.forked

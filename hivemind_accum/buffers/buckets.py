@@ -83,6 +83,12 @@ def _dense_strides(tensor: torch.Tensor) -> Tuple[int, ...]:
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for fp16/bf16, else ``dtype``: the dtype fp16/bf16 gradients are accumulated, averaged or summed in
+    where they are upcast"""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
 
 
 def _make_bucket(
@@ -163,7 +169,7 @@ class GradientBuckets:
                 [tensors[i] for i in indices],
                 tuple(indices),
                 device=torch.device(device) if device is not None else source_device,
-                dtype=torch.float32 if upcast and dtype in LOW_PRECISION else dtype,
+                dtype=wide_dtype(dtype) if upcast else dtype,
                 share_memory=share_memory,
                 pin_memory=pin_memory,
             )

@@ -24,38 +24,51 @@ if TYPE_CHECKING:
 
 class DroppedMicroSteps:
     """
-    Micro-steps dropped for inf/NaN gradients (:meth:`GradientBuckets.add_finite_`), counted on the device without a
-    host read, and the batch size of the first micro-step kept (micro-step i weighs ``b_i / b_first``: if the first
-    micro-step is dropped, the accumulators are rescaled once at load time).
+    Micro-steps dropped for inf/NaN gradients (:meth:`GradientBuckets.add_finite_`): each micro-step's flag is copied
+    into a slot of a device buffer (one copy, no host read) and its batch size kept on the host; one host read per
+    round tells which were dropped, their samples summed exactly on the host. Also the batch size of the first
+    micro-step kept (micro-step i weighs ``b_i / b_first``: if the first micro-step is dropped, the accumulators are
+    rescaled once at load time).
 
-    :param device: where the counters live (the accumulators' first bucket's device)
+    :param device: where the flags live (the accumulators' first bucket's device)
     """
 
     def __init__(self, device: torch.device):
-        self.counters = torch.zeros(3, device=device)
-        self.samples, self.micro_steps, self.first_kept_batch_size = self.counters
-        self._first_unset = torch.zeros_like(self.first_kept_batch_size)  # scratch: whether no micro-step was kept
+        self._device = device
+        self._flags = torch.zeros(0)  # found_inf of each micro-step since the last reset (at the first, 8 slots)
+        self._batch_sizes: List[int] = []  # of each micro-step since the last reset
+        self._collected = 0  # micro-steps whose flags collect_ read already
+        self._first_kept_batch_size = 0
         self.may_have_dropped = False
 
     def count_(self, found_inf: torch.Tensor, batch_size: int) -> None:
-        """count a micro-step of ``batch_size`` samples, dropped if ``found_inf`` is 1.0; allocates nothing"""
-        self.samples.add_(found_inf, alpha=batch_size)
-        self.micro_steps.add_(found_inf)
-        unset = torch.logical_not(self.first_kept_batch_size, out=self._first_unset)  # in place: allocates nothing
-        self.first_kept_batch_size.add_(unset, alpha=batch_size).addcmul_(unset, found_inf, value=-batch_size)
+        """count a micro-step of ``batch_size`` samples, dropped if ``found_inf`` is 1.0: one copy; allocates only at
+        the first call and where an epoch's micro-steps pass every earlier epoch's and 8, 16, 32, ..."""
+        slot = len(self._batch_sizes)
+        if slot == len(self._flags):
+            grown = torch.zeros(max(8, 2 * slot), device=self._device)
+            grown[:slot].copy_(self._flags)
+            self._flags = grown
+        self._flags[slot].copy_(found_inf)
+        self._batch_sizes.append(batch_size)
         self.may_have_dropped = True
 
     def collect_(self) -> Tuple[int, int, int]:
-        """(dropped samples, dropped micro-steps, first kept batch size or 0) in one host read; the first two are
-        zeroed, the third kept (so that later micro-steps do not overwrite it)"""
-        dropped_samples, dropped_micro_steps, first_kept_batch_size = map(round, self.counters.tolist())
-        self.counters[:2].zero_()
+        """(dropped samples, dropped micro-steps, first kept batch size or 0) of the micro-steps since the last
+        collect, in one host read; the first kept batch size stays until :meth:`reset_`"""
+        sizes = self._batch_sizes[self._collected:]
+        flags = self._flags[self._collected:len(self._batch_sizes)].tolist()
+        self._collected = len(self._batch_sizes)
         self.may_have_dropped = False
-        return dropped_samples, dropped_micro_steps, first_kept_batch_size
+        dropped = [size for size, flag in zip(sizes, flags) if flag]
+        if not self._first_kept_batch_size:
+            self._first_kept_batch_size = next((size for size, flag in zip(sizes, flags) if not flag), 0)
+        return sum(dropped), len(dropped), self._first_kept_batch_size
 
     def reset_(self) -> None:
-        """zero every counter (the accumulators were reset)"""
-        self.counters.zero_()
+        """forget every micro-step (the accumulators were reset)"""
+        self._batch_sizes.clear()
+        self._collected = self._first_kept_batch_size = 0
         self.may_have_dropped = False
 
 

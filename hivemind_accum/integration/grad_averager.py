@@ -27,7 +27,7 @@ from hivemind.optim import grad_averager as upstream
 from hivemind.utils import get_logger
 
 from hivemind_accum.arguments import check_averaged_grads, check_micro_step
-from hivemind_accum.buffers.buckets import LOW_PRECISION, GradientBuckets
+from hivemind_accum.buffers.buckets import GradientBuckets, wide_dtype
 from hivemind_accum.buffers.finite_add import DroppedMicroSteps
 from hivemind_accum.buffers.aliases import GradAliases
 from hivemind_accum.integration.round_keeping import KeepsRoundsForFallback
@@ -100,7 +100,6 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         if reuse_grad_buffers and accumulate_grads_on is not None:
             logger.warning("Setting 'accumulate_grads_on' has no effect if reuse_grad_buffers=True")
             accumulate_grads_on = None
-        client_mode = client_mode if client_mode is not None else dht.client_mode
         self.parameters = tuple(parameters)
         self.reuse_grad_buffers = reuse_grad_buffers
         self.warn = warn
@@ -159,8 +158,8 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         """shape and dtype of each averaged gradient (see ``averaged_grads_dtype``) as meta tensors, for subclasses
         that size their own buffers from it (PowerSGD); this never touches ``.grad``"""
         for param in self.parameters:
-            upcast = self.averaged_grads_dtype is not None and param.dtype in LOW_PRECISION
-            yield torch.empty_like(param, device="meta", dtype=self.averaged_grads_dtype if upcast else None)
+            upcast = self.averaged_grads_dtype is not None
+            yield torch.empty_like(param, device="meta", dtype=wide_dtype(param.dtype) if upcast else None)
 
     @torch.no_grad()
     def _grad_accumulators(self) -> Iterator[torch.Tensor]:
@@ -249,7 +248,7 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
             logger.info(f"Dropped {dropped_micro_steps} micro-step(s), {dropped_samples} samples, with inf/NaN grads")
         self.local_samples_accumulated -= dropped_samples
         self.local_times_accumulated -= dropped_micro_steps
-        if first_kept_batch_size:  # kept (not zeroed) so that later micro-steps do not overwrite it
+        if first_kept_batch_size:  # micro-step i was weighed b_i / b_0, b_0 maybe dropped: rescale at load
             self._anchor_correction = self._anchor_batch_size / first_kept_batch_size
         return True
 
@@ -272,7 +271,7 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
             self.local_fallback.release_()
 
     @torch.no_grad()
-    def load_accumulators_into_averager_(self):
+    def load_accumulators_into_averager_(self) -> bool:
         """
         Load locally accumulated gradients, divided by the number of micro-steps, into the averager's shared CPU
         buffers: one bulk copy (and one scale) per bucket. If the last round is not settled (it failed), load that
@@ -284,13 +283,13 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         or NaN, the buffers are set to zeros and ``local_samples_accumulated`` to 0, so ``step`` joins the round with
         weight 0; ``round_guard.own_finite`` becomes False, and the optimizer skips this epoch's step.
 
-        :returns: False (loading nothing) where ``local_fallback.for_round(control)`` names a round that keeps its
-          local gradients no longer: a fallback loads only its own round's; else None
+        :returns: whether it loaded anything: False where ``local_fallback.for_round(control)`` names a round that
+          keeps its local gradients no longer (a fallback loads only its own round's)
         """
         with self.get_tensors() as averaged_grads:
             if self.local_fallback.load_into_(self._averaged_target(averaged_grads)):
                 logger.info("Averaging round was not used: loaded this round's local gradients again")
-                return
+                return True
         if self.local_fallback.lost:  # never another round's gradients instead
             logger.warning("Averaging round was not used and its local gradients are no longer kept: nothing loaded")
             return False
@@ -310,7 +309,8 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
                 self._accumulators.scaled_copy_to_(target, grad_scale)
             guarded = self.flat_averaged_grads(averaged_grads)
             if not self.round_guard.offer_(guarded, checksums, round_key=self.local_fallback.named_round):
-                self.local_samples_accumulated = 0  # step() then joins the round with weight 0 (and zeros)
+                self.local_samples_accumulated = 0  # upstream's step() takes it as the weight: 0 (and zeros)
+        return True
 
     def flat_averaged_grads(self, averaged_grads: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """the averager's buffers (as given by ``get_tensors()``) as few tensors as possible, for one-pass checks: the

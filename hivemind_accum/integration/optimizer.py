@@ -16,7 +16,7 @@ from hivemind.optim.grad_scaler import GradScaler as HivemindGradScaler
 from hivemind.optim.state_averager import ZERO_GRAD_SET_TO_NONE_DEFAULT
 from hivemind.utils import get_logger
 
-from hivemind_accum.arguments import check_distinct, is_positive_int, named_params, params_as_lists
+from hivemind_accum.arguments import check_batch_size_per_step, check_distinct, named_params, params_as_lists
 from hivemind_accum.integration import workarounds
 from hivemind_accum.integration.grad_averager import GradientAverager
 from hivemind_accum.integration.progress_tracker import ProgressTracker
@@ -91,11 +91,7 @@ class Optimizer(RoundSteps, upstream.Optimizer):
           ``auxiliary`` are both true, or if a parameter is listed twice in ``params`` (or, without ``params``, in the
           optimizer's ``param_groups``): the message names both positions
         """
-        if batch_size_per_step is not None and not is_positive_int(batch_size_per_step):
-            raise ValueError(
-                f"batch_size_per_step: expected a positive int (samples per micro-step) or None (then pass "
-                f"batch_size= to every step()), got {batch_size_per_step!r}"
-            )
+        check_batch_size_per_step(batch_size_per_step)
         client_mode = workarounds.client_mode_or_dht(client_mode, dht)
         if client_mode and auxiliary:
             raise ValueError("client_mode, auxiliary: a client-mode peer cannot serve as an auxiliary peer")
@@ -173,6 +169,7 @@ class Optimizer(RoundSteps, upstream.Optimizer):
         if isinstance(grad_scaler, HivemindGradScaler):
             begin_exact_micro_step(grad_scaler, self, self._own_found_inf_record)
         record_found_inf(grad_scaler, self)  # update() needs a record even if this micro-step is discarded
+        # upstream's step hands its hooks only a hivemind.GradScaler; this one reaches them through this attribute
         self._micro_step_scaler = grad_scaler
         try:
             # the accumulators hold unscaled, finite gradients: the global step runs as without loss scaling
@@ -208,7 +205,8 @@ class Optimizer(RoundSteps, upstream.Optimizer):
 
     def _begin_averaging_gradients(self, grad_scaler: Optional[HivemindGradScaler]) -> bool:
         """in-place mode with a grad scaler: unscale the accumulated gradients and, if they overflowed, drop them
-        before they reach peers (one host sync per round); then as without a grad scaler"""
+        before they reach peers (one host sync per round); then the round's control is scheduled, with a deadline, if
+        none was (its local gradients are kept under it: round_steps.py); then as upstream without a grad scaler"""
         if grad_scaler is not None:
             with grad_scaler.running_global_step():
                 if not grad_scaler.unscale_(self):  # not an assert: python -O would skip the unscale itself
@@ -219,6 +217,8 @@ class Optimizer(RoundSteps, upstream.Optimizer):
                     "averages with weight 0 and skips the optimizer step; the loss scale will back off"
                 )
                 self.grad_averager.reset_accumulated_grads_()
+        if self.scheduled_grads is None and self.tracker.global_progress.num_peers > 1:
+            self.scheduled_grads = workarounds.schedule_with_deadline(self.grad_averager, self.averaging_timeout)
         return super()._begin_averaging_gradients(None)
 
     def __del__(self):

@@ -54,7 +54,7 @@ class PowerSGDGradientAverager(upstream.PowerSGDGradientAverager, GradientAverag
                 self.round_guard.restore_(self._ms)
 
     @torch.no_grad()
-    def load_accumulators_into_averager_(self):
+    def load_accumulators_into_averager_(self) -> bool:
         """:meth:`GradientAverager.load_accumulators_into_averager_`, after :meth:`discard_nonfinite_round_`: this
         peer never enters a round with inf/NaN error feedback or ``Q``, whatever became of the previous round"""
         self.discard_nonfinite_round_()

@@ -1,7 +1,8 @@
 """
 Which gradients each optimizer step of :class:`hivemind.Optimizer` uses: the round's average if it is finite, else the
 round's own local gradients (the failed-round fallback, :mod:`hivemind_accum.rounds.fallback`), else no step
-(:mod:`hivemind_accum.rounds.step_gate`); with delayed averaging, the host copy of a round's local gradients.
+(:mod:`hivemind_accum.rounds.step_gate`); with delayed averaging, the host copy of a round's local gradients;
+offloaded, the ``.grad`` tensors they are loaded into. One concern: what the optimizer step finds in ``.grad``.
 
 :class:`RoundSteps` is a mixin of :class:`hivemind_accum.Optimizer`, placed before upstream's class.
 """
@@ -12,10 +13,9 @@ from typing import ContextManager, Optional
 import torch
 from hivemind.averaging.control import StepControl
 from hivemind.optim import optimizer as upstream
-from hivemind.optim.grad_scaler import GradScaler as HivemindGradScaler
 from hivemind.utils import get_logger
 
-from hivemind_accum.buffers.buckets import LOW_PRECISION
+from hivemind_accum.buffers.buckets import wide_dtype
 from hivemind_accum.integration import workarounds
 from hivemind_accum.integration.grad_averager import GradientAverager
 from hivemind_accum.rounds.finite import all_finite
@@ -43,13 +43,6 @@ class RoundSteps(upstream.Optimizer):
             self.state_averager.step_executor = self._step_decisions.carried_by(self.state_averager.step_executor)
             self.state_averager.optimizer.register_step_pre_hook(self._swap_in_host_copy)  # after the skip's hooks
             self.state_averager.optimizer.register_step_post_hook(self._swap_out_host_copy)
-
-    def _begin_averaging_gradients(self, grad_scaler: Optional[HivemindGradScaler]) -> bool:
-        """a round's control is scheduled here if none was, with a deadline (see :meth:`_schedule_round`); then as
-        upstream"""
-        if self.scheduled_grads is None and self.tracker.global_progress.num_peers > 1:
-            self.scheduled_grads = self._schedule_round()  # the round's local gradients are kept under its control
-        return super()._begin_averaging_gradients(grad_scaler)
 
     def _load_averaged_gradients_into_optimizer_(self):
         """
@@ -91,12 +84,6 @@ class RoundSteps(upstream.Optimizer):
         with self._bound_to_round(maybe_step_control):
             super()._average_gradients_and_load_into_optimizer(maybe_step_control)
 
-    def _schedule_round(self) -> Optional[StepControl]:
-        """a gradient averaging round's control, scheduled as ``GradientAverager.step`` would schedule it but with a
-        deadline ``averaging_timeout`` away, as a pre-scheduled round has (without one, a round the optimizer stopped
-        waiting for would go on looking for a group); None (and an error logged) if it cannot be"""
-        return workarounds.schedule_with_deadline(self.grad_averager, self.averaging_timeout)
-
     def _bound_to_round(self, control: Optional[StepControl]) -> ContextManager:
         """a context within which this thread's fallback and settling concern the round ``control`` began"""
         if control is None or not getattr(self.grad_averager, "keep_local_fallback", False):
@@ -113,7 +100,7 @@ class RoundSteps(upstream.Optimizer):
         if self._step_with_host_copy():
             self._step_decisions.decide(self._round_own_finite())
             self.grad_averager.notify_used_averaged_gradients()
-        elif self.grad_averager.load_accumulators_into_averager_() is False:
+        elif self.grad_averager.load_accumulators_into_averager_() is False:  # upstream's returns None
             self._step_decisions.decide(False)
             self.grad_averager.notify_used_averaged_gradients()
         elif self._guards_gradients() and not self._round_own_finite():
@@ -153,7 +140,7 @@ class RoundSteps(upstream.Optimizer):
         if not self.delay_grad_averaging or fallback is None or not self.grad_averager.keep_local_fallback:
             return False
         params = [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]
-        host_layout = [(param.shape, torch.float32 if param.dtype in LOW_PRECISION else param.dtype, "cpu")
+        host_layout = [(param.shape, wide_dtype(param.dtype), "cpu")
                        for param in fallback.parameters]  # GradientBuckets(device="cpu", upcast=True)
         if host_layout != [(param.shape, param.dtype, param.device.type) for param in params]:
             return False

@@ -18,7 +18,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 
-from hivemind_accum.buffers.buckets import LOW_PRECISION
+from hivemind_accum.buffers.buckets import LOW_PRECISION, wide_dtype
 
 logger = get_logger(__name__)
 
@@ -48,11 +48,10 @@ class SchemaMismatchLogger:
         self.mine = averaged_grads_dtype
         self.other_hash = None
         if low and not custom:  # the schema hash the other choice gives: zero-stride tensors, nothing allocated
-            other = None if averaged_grads_dtype is not None else torch.float32
+            upcast_other = averaged_grads_dtype is None
             self.other_hash = compute_schema_hash([
                 torch.empty_strided(
-                    grad.shape, (0,) * grad.dim(),
-                    dtype=other if other is not None and param.dtype in LOW_PRECISION else param.dtype,
+                    grad.shape, (0,) * grad.dim(), dtype=wide_dtype(param.dtype) if upcast_other else param.dtype
                 )
                 for param, grad in zip(parameters, averaged_grads)
             ])

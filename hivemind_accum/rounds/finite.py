@@ -28,7 +28,7 @@ from typing import Hashable, List, Optional, Sequence
 import torch
 from hivemind.utils import get_logger
 
-from hivemind_accum.buffers.buckets import LOW_PRECISION
+from hivemind_accum.buffers.buckets import wide_dtype
 from hivemind_accum.torch_compat import foreach_copy_, foreach_zero_
 
 logger = get_logger(__name__)
@@ -56,7 +56,7 @@ def all_finite(tensors: Sequence[torch.Tensor], checksums: Optional[torch.Tensor
         return True
     if checksums is not None:
         return bool(checksums.isfinite().all()) or all(bool(torch.isfinite(tensor).all()) for tensor in floats)
-    sums = [tensor.sum(dtype=torch.float32 if tensor.dtype in LOW_PRECISION else None) for tensor in floats]
+    sums = [tensor.sum(dtype=wide_dtype(tensor.dtype)) for tensor in floats]
     finite_sums = torch.stack([total.to("cpu", torch.float64) for total in sums]).isfinite().tolist()
     return all(finite or bool(torch.isfinite(tensor).all()) for tensor, finite in zip(floats, finite_sums))
 

@@ -104,7 +104,7 @@ def _back_off_loss_scale_(scaler: torch.amp.GradScaler, found_infs: Sequence[tor
     for other in found_infs[1:]:
         found_inf = found_inf + other.to(scale.device, non_blocking=True)
     # an overflow: scale * backoff and tracker 0; none: scale as it was and tracker + 1, which the sub_ undoes
-    torch._amp_update_scale_(scale, tracker, found_inf, 1.0, float(scaler._backoff_factor), _NEVER)
+    torch._amp_update_scale_(scale, tracker, found_inf, 1.0, float(scaler.get_backoff_factor()), _NEVER)
     tracker.sub_(1).clamp_(min=0)
 
 
