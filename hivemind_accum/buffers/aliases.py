@@ -108,7 +108,7 @@ class GradAliases:
             raise ValueError(
                 f"{_names(self.parameters, from_sum)}: its .grad was replaced after backward() had added into it: by "
                 f"p.grad = f(p.grad), or by zero_grad() after backward() and before step(). With "
-                f"reuse_grad_buffers=True .grad is a view of the running sum: a tensor computed from it would count "
+                f"reuse_grad_buffers=True .grad is an alias of the running sum: a tensor computed from it would count "
                 f"that sum twice, and zero_grad() cannot drop a micro-batch already added. Call step() before "
                 f"zero_grad(), or use reuse_grad_buffers=False (exact mode), where .grad is yours to edit"
             )
@@ -241,7 +241,7 @@ class GradAliases:
             raise ValueError(
                 f"the .grad of {_names(self.parameters, edited)} was edited in place between micro-steps (a write "
                 f"beyond backward()'s own, e.g. torch.nn.utils.clip_grad_norm_, p.grad.mul_(c) or "
-                f"model.zero_grad(set_to_none=False)). With reuse_grad_buffers=True each .grad is a view of the "
+                f"model.zero_grad(set_to_none=False)). With reuse_grad_buffers=True each .grad is an alias of the "
                 f"running sum of this epoch's micro-steps, so the edit changed that sum, not this micro-batch's "
                 f"gradient. Use reuse_grad_buffers=False (exact mode), where .grad is yours to edit"
             )
@@ -291,6 +291,6 @@ class _BeforeAutogradAdds:
         self.owner, self.index = owner, index
 
     def __call__(self, grad: torch.Tensor) -> None:
-        views = self.owner()
-        if views is not None:
-            views._before_autograd_adds(self.index)
+        aliases = self.owner()
+        if aliases is not None:
+            aliases._before_autograd_adds(self.index)

@@ -53,6 +53,12 @@ class GradientBucket:
     found_inf: Optional[torch.Tensor] = field(default=None, repr=False)
     strides: Optional[List[Tuple[int, ...]]] = field(default=None, repr=False)
 
+    @property
+    def needs_staging(self) -> bool:
+        """whether gradients must be copied (and cast) into the staging buffer before they are added: they live on
+        another device or have another dtype than ``flat``"""
+        return self.source_device != self.flat.device or self.source_dtype != self.flat.dtype
+
     def stage_(self, sources: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
         """copy ``sources`` (one per view, None = zeros) into the staging buffer with one fused copy, cast to the
         buffer's dtype; return the staging buffer flat"""
@@ -204,13 +210,13 @@ class GradientBuckets:
         for bucket in self.buckets:
             grads = sources if self._single else [sources[i] for i in bucket.indices]
             if not any(map(operator.is_, grads, repeat(None))):
-                if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
+                if bucket.needs_staging:
                     bucket.flat.add_(bucket.stage_(grads), alpha=alpha)
                 else:
                     with torch.inference_mode():  # the fused op's per-tensor adds skip autograd's dispatch
                         foreach_add_(bucket.views, grads, alpha=alpha)
             elif not all(map(operator.is_, grads, repeat(None))):
-                if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
+                if bucket.needs_staging:
                     bucket.flat.add_(bucket.stage_(grads), alpha=alpha)
                 else:
                     present = [k for k, grad in enumerate(grads) if grad is not None]

@@ -149,7 +149,7 @@ def _present_if_unscalable_in_place(
     """the bucket's views and the gradients present, if those gradients can be unscaled in place and added by
     :func:`add_unless_found_inf_`: buffer and gradients share device and dtype, the fused kernel runs there, and each
     gradient has its view's strides (the kernel pairs elements by memory order); else None"""
-    if bucket.source_device != bucket.flat.device or bucket.source_dtype != bucket.flat.dtype:
+    if bucket.needs_staging:
         return None
     if not has_add_unless_found_inf(bucket.flat.device, bucket.flat.dtype):
         return None

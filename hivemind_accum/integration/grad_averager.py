@@ -5,8 +5,8 @@ constant number of fused operations (exact mode) or no tensor work at all (in-pl
 This module wires the package's parts into hivemind's class: the buffers (:mod:`hivemind_accum.buffers`), the
 failed-round fallback and the finite check (:mod:`hivemind_accum.rounds`). Its round methods are
 :mod:`~hivemind_accum.integration.round_keeping`'s, its matchmaking hooks
-:mod:`~hivemind_accum.integration.schema_mismatch`'s. A gradient's data, in three files (every call on its way:
-docs/guide.md#a-gradients-path):
+:mod:`~hivemind_accum.integration.schema_mismatch`'s. A gradient's data, in three files per mode (every call on its
+way: docs/guide.md#a-gradients-path):
 
 1. ``loss.backward()`` writes ``param.grad`` (autograd).
 2. :meth:`GradientAverager.accumulate_grads_` (this file) adds it into a flat on-device accumulator
@@ -47,7 +47,7 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
 
     - exact (``reuse_grad_buffers=False``, default): the same accumulators, averaged gradients and averaging weight
       as hivemind 1.1.12; one fused add per (device, dtype) bucket per micro-step; ``.grad`` stays the user's;
-    - in place (``reuse_grad_buffers=True``): every ``param.grad`` is a view of the accumulator, so autograd
+    - in place (``reuse_grad_buffers=True``): every ``param.grad`` is an alias of the accumulator, so autograd
       accumulates into it and a micro-step does no tensor work; every micro-step counts equally.
 
     The averaged (all-reduced) buffers have the parameters' dtype, as upstream's, so peers of hivemind 1.1.12 and of
@@ -170,7 +170,7 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         return self.grad_aliases.aliases if self.grad_aliases is not None else self._accumulators.views
 
     def _attach_grads_(self) -> None:
-        """in-place mode: add every ``.grad`` that is not its accumulator view into the view, then re-attach the view
+        """in-place mode: add every ``.grad`` that is not its accumulator alias into the alias, then re-attach the alias
         (see :class:`~hivemind_accum.buffers.aliases.GradAliases`)"""
         self.grad_aliases.attach_()
 
@@ -192,7 +192,7 @@ class GradientAverager(ReportsSchemaMismatch, KeepsRoundsForFallback, upstream.G
         dropped whole (it leaves the averaging weight at the next load). Nothing is read on the host on an accelerator.
 
         In-place mode: autograd already accumulated into the views. A ``.grad`` that was set to None or replaced since
-        the previous call is added into its accumulator and the view re-attached, so nothing is lost or counted twice,
+        the previous call is added into its accumulator and the alias re-attached, so nothing is lost or counted twice,
         ``backward(create_graph=True)`` included; a ``.grad`` computed from the running sum (``p.grad = p.grad * c``)
         raises instead of counting the sum twice (docs/guide.md#what-the-checks-see).
 

@@ -15,7 +15,6 @@ from hivemind.averaging.control import StepControl
 from hivemind.optim import optimizer as upstream
 from hivemind.utils import get_logger
 
-from hivemind_accum.buffers.buckets import wide_dtype
 from hivemind_accum.integration import workarounds
 from hivemind_accum.integration.grad_averager import GradientAverager
 from hivemind_accum.rounds.finite import all_finite
@@ -140,9 +139,7 @@ class RoundSteps(upstream.Optimizer):
         if not self.delay_grad_averaging or fallback is None or not self.grad_averager.keep_local_fallback:
             return False
         params = [param for group in self.state_averager.optimizer.param_groups for param in group["params"]]
-        host_layout = [(param.shape, wide_dtype(param.dtype), "cpu")
-                       for param in fallback.parameters]  # GradientBuckets(device="cpu", upcast=True)
-        if host_layout != [(param.shape, param.dtype, param.device.type) for param in params]:
+        if not fallback.host_copy_fits(params):
             return False
         host = fallback.take_host_copy()
         if host is None:

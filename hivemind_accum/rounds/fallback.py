@@ -19,7 +19,7 @@ from typing import Dict, Hashable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
-from hivemind_accum.buffers.buckets import GradientBuckets
+from hivemind_accum.buffers.buckets import GradientBuckets, wide_dtype
 
 Destination = Union[GradientBuckets, Sequence[torch.Tensor]]
 
@@ -35,7 +35,7 @@ class LocalFallback:
 
     :param accumulators: the averager's accumulators, built from ``parameters``
     :param parameters: the averager's parameters (a host copy has their layout, as the averager's shared buffers do)
-    :param in_place: whether each ``param.grad`` is a view of ``accumulators``: then a round's local gradients are
+    :param in_place: whether each ``param.grad`` is an alias of ``accumulators``: then a round's local gradients are
       copied out and the accumulators zeroed as soon as the round begins, as the next backward pass adds into them
     """
 
@@ -55,7 +55,7 @@ class LocalFallback:
         self._lock = threading.RLock()
         self._thread = threading.local()
         # CUDA accumulators are copied out into pinned host memory without blocking (see _copy_out_)
-        self._pinned = all(bucket.flat.device.type == "cuda" for bucket in accumulators.buckets)
+        self._pinned = _on_cuda(accumulators)  # host copies are pinned
         self._copied: Dict[int, tuple] = {}  # id(host) -> (event recorded after the copy into it, its scale)
 
     @property
@@ -121,7 +121,7 @@ class LocalFallback:
     def settle(self) -> None:
         """the round's result is used: its local gradients are no longer a fallback. The accumulators are left as they
         are until the next micro-step or reset releases them: with an optimizer that is not offloaded, ``.grad`` may
-        be their view (in-place mode) and hold the averaged gradients the optimizer is about to step with"""
+        be their alias (in-place mode) and hold the averaged gradients the optimizer is about to step with"""
         with self._lock:
             self._kept.pop(self._round(), None)
 
@@ -141,6 +141,12 @@ class LocalFallback:
             (self.accumulators if host is None else self._host_ready(host)).scaled_copy_to_(destination, scale)
             self.settle()
             return True
+
+    def host_copy_fits(self, params: Sequence[torch.Tensor]) -> bool:
+        """whether a host copy (on the CPU, fp16/bf16 as float32) has the shape, dtype and device of each of
+        ``params``, in order"""
+        layout = [(param.shape, wide_dtype(param.dtype), "cpu") for param in self.parameters]
+        return layout == [(param.shape, param.dtype, param.device.type) for param in params]
 
     def take_host_copy(self) -> Optional[GradientBuckets]:
         """
@@ -180,7 +186,7 @@ class LocalFallback:
         copies of the old layout are dropped"""
         with self._lock:
             self.accumulators = accumulators
-            self._pinned = all(bucket.flat.device.type == "cuda" for bucket in accumulators.buckets)
+            self._pinned = _on_cuda(accumulators)
             used = [kept[0] for kept in self._kept.values()] + self._lent
             self._hosts = [host for host in self._hosts if any(host is other for other in used)]
 
@@ -215,3 +221,7 @@ class LocalFallback:
                 return host
         self._hosts.append(GradientBuckets(self.parameters, device="cpu", upcast=True, pin_memory=self._pinned))
         return self._hosts[-1]
+
+
+def _on_cuda(accumulators: GradientBuckets) -> bool:
+    return all(bucket.flat.device.type == "cuda" for bucket in accumulators.buckets)
