@@ -9,11 +9,12 @@ failed-round fallback and the finite check (:mod:`hivemind_accum.rounds`). Its r
 way: docs/guide.md#a-gradients-path):
 
 1. ``loss.backward()`` writes ``param.grad`` (autograd).
-2. :meth:`GradientAverager.accumulate_grads_` (this file) adds it into a flat on-device accumulator
+2. :meth:`GradientAverager.accumulate_grads_` (this file) adds it into a flat accumulator
    (:mod:`hivemind_accum.buffers.buckets`; loss-scaled: :mod:`hivemind_accum.buffers.finite_add`), or, in in-place
    mode, autograd already did so because ``param.grad`` *is* an alias of that accumulator.
 3. :meth:`GradientAverager.load_accumulators_into_averager_` (this file) moves each accumulator, scaled by the
-   batch-size correction over the number of micro-steps, into the averager's shared CPU buffers in one bulk op per bucket
+   batch-size correction over the number of micro-steps, into the averager's shared CPU buffers chunk by chunk,
+   summing each chunk as it writes it
    (:meth:`~hivemind_accum.buffers.buckets.GradientBuckets.scaled_copy_with_checksums_`); upstream's
    :class:`hivemind.averaging.DecentralizedAverager` all-reduces those buffers with peers.
 """
